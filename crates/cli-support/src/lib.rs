@@ -1,0 +1,98 @@
+//! Helpers shared by kvgate's binaries: how they report errors and which exit codes they use.
+//!
+//! Exit codes: 0 success, 1 runtime failure, 2 bad configuration or a capability this build
+//! does not contain. Errors print once to stderr with their chain of causes.
+
+use std::error::Error;
+use std::process::ExitCode;
+
+/// The exit code for bad configuration (as clap uses for bad arguments).
+pub const EXIT_CONFIG: u8 = 2;
+
+/// A component whose capability has not landed in this build yet.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{component}: {capability} is not implemented in this build (tracked in issue #{issue}); \
+     the arguments were parsed and validated, nothing was started"
+)]
+pub struct NotInThisBuild {
+    /// The binary's name.
+    pub component: &'static str,
+    /// What is missing.
+    pub capability: &'static str,
+    /// The issue that delivers it.
+    pub issue: u32,
+}
+
+/// Why a binary could not start: its configuration, or a capability this build lacks.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The configuration is inconsistent.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The capability has not landed yet.
+    #[error(transparent)]
+    NotInThisBuild(#[from] NotInThisBuild),
+}
+
+impl ExitStatus for StartError {
+    fn exit_code(&self) -> u8 {
+        EXIT_CONFIG
+    }
+}
+
+/// Whether an error is the user's to fix (configuration) or a runtime failure.
+pub trait ExitStatus {
+    /// The process exit code for this error.
+    fn exit_code(&self) -> u8 {
+        1
+    }
+}
+
+impl ExitStatus for NotInThisBuild {
+    fn exit_code(&self) -> u8 {
+        EXIT_CONFIG
+    }
+}
+
+/// Renders an error and its causes, one per line.
+pub fn render<E: Error + ?Sized>(err: &E) -> String {
+    let mut out = format!("error: {err}");
+    let mut source = err.source();
+    while let Some(cause) = source {
+        out.push_str(&format!("\n  caused by: {cause}"));
+        source = cause.source();
+    }
+    out
+}
+
+/// Turns a binary's result into its exit code, printing the error if any.
+pub fn exit<E: Error + ExitStatus>(result: Result<(), E>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}", render(&e));
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn not_in_this_build_names_the_issue_and_exits_2() {
+        let e = NotInThisBuild {
+            component: "kvgate-epp",
+            capability: "the ext_proc server",
+            issue: 5,
+        };
+        let text = render(&e);
+        assert!(
+            text.contains("kvgate-epp") && text.contains("issue #5"),
+            "{text}"
+        );
+        assert_eq!(e.exit_code(), EXIT_CONFIG);
+    }
+}

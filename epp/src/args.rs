@@ -1,0 +1,105 @@
+//! Command-line and environment configuration.
+
+use std::path::PathBuf;
+
+/// Where endpoints come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Discovery {
+    /// Watch the InferencePool and its Pods in Kubernetes.
+    Kubernetes,
+    /// Read endpoints from a YAML file, reloaded when it changes.
+    File,
+}
+
+/// kvgate endpoint picker (Envoy ext_proc, Gateway API Inference Extension).
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "kvgate-epp", version, about, long_about = None)]
+pub struct Args {
+    /// InferencePool this EPP serves.
+    #[arg(long, env = "KVGATE_POOL_NAME")]
+    pub pool_name: String,
+    /// Namespace of the InferencePool.
+    #[arg(long, env = "KVGATE_POOL_NAMESPACE", default_value = "default")]
+    pub pool_namespace: String,
+    /// Endpoint discovery mode.
+    #[arg(long, value_enum, default_value_t = Discovery::Kubernetes)]
+    pub discovery: Discovery,
+    /// Endpoints file, for `--discovery file`.
+    #[arg(long, env = "KVGATE_ENDPOINTS_FILE")]
+    pub endpoints_file: Option<PathBuf>,
+    /// ext_proc gRPC port.
+    #[arg(long, default_value_t = 9002)]
+    pub grpc_port: u16,
+    /// gRPC health port.
+    #[arg(long, default_value_t = 9003)]
+    pub grpc_health_port: u16,
+    /// Prometheus metrics port.
+    #[arg(long, default_value_t = 9090)]
+    pub metrics_port: u16,
+    /// Serve ext_proc without TLS (TLS with a generated self-signed certificate is the default).
+    #[arg(long)]
+    pub plaintext: bool,
+    /// NATS server URL for KV events and load samples.
+    #[arg(long, env = "KVGATE_NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+    /// Scheduler configuration file (YAML); built-in defaults when absent.
+    #[arg(long, env = "KVGATE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Tokenizer directory (tokenizer.json + tokenizer_config.json); approximate keys without.
+    #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
+    pub tokenizer_dir: Option<PathBuf>,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, default_value_t = 16 << 20)]
+    pub max_body_bytes: usize,
+}
+
+impl Args {
+    /// Checks what clap cannot: combinations and ranges.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.discovery == Discovery::File && self.endpoints_file.is_none() {
+            return Err("--discovery file needs --endpoints-file".into());
+        }
+        let ports = [self.grpc_port, self.grpc_health_port, self.metrics_port];
+        if ports
+            .iter()
+            .enumerate()
+            .any(|(i, p)| ports.iter().skip(i + 1).any(|q| q == p))
+        {
+            return Err(format!("ports must differ, got {ports:?}"));
+        }
+        if self.max_body_bytes == 0 {
+            return Err("--max-body-bytes must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser as _;
+
+    #[test]
+    fn defaults_follow_design_ports() {
+        let a = Args::try_parse_from(["kvgate-epp", "--pool-name", "p"]).unwrap();
+        assert_eq!(
+            (a.grpc_port, a.grpc_health_port, a.metrics_port),
+            (9002, 9003, 9090)
+        );
+        assert!(a.validate().is_ok());
+    }
+
+    #[test]
+    fn bad_combinations_are_refused() {
+        let a = Args::try_parse_from(["kvgate-epp", "--pool-name", "p", "--discovery", "file"])
+            .unwrap();
+        assert!(a.validate().unwrap_err().contains("--endpoints-file"));
+        let a = Args::try_parse_from(["kvgate-epp", "--pool-name", "p", "--metrics-port", "9002"])
+            .unwrap();
+        assert!(a.validate().unwrap_err().contains("ports must differ"));
+        assert!(
+            Args::try_parse_from(["kvgate-epp"]).is_err(),
+            "the pool name is required"
+        );
+    }
+}

@@ -1,0 +1,7 @@
+//! `kvgate-sidecar`: see the library crate for what it does.
+
+use clap::Parser as _;
+
+fn main() -> std::process::ExitCode {
+    cli_support::exit(kvgate_sidecar::run(kvgate_sidecar::Args::parse()))
+}
