@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The test command: installs what the tests need, then runs every test of the workspace.
+# Needs ../shared (beside the checkout) or KVGATE_SHARED for the captured KV-event fixtures.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+scripts/bootstrap.sh
+if command -v cargo-nextest >/dev/null 2>&1; then
+  cargo nextest run --workspace --all-targets --no-fail-fast
+  # nextest does not run doctests.
+  cargo test --workspace --doc
+else
+  cargo test --workspace --all-targets --no-fail-fast
+fi
