@@ -42,7 +42,9 @@ impl Rng {
 
 fn stored(rng: &mut Rng, parent: Option<EngineHash>, blocks: usize) -> (BlockStored, EngineHash) {
     let hashes: Vec<EngineHash> = (0..blocks).map(|_| EngineHash(rng.next())).collect();
-    let tokens = (0..blocks * BLOCK_SIZE as usize).map(|_| rng.below(151_936) as u32).collect();
+    let tokens = (0..blocks * BLOCK_SIZE as usize)
+        .map(|_| rng.below(151_936) as u32)
+        .collect();
     let last = *hashes.last().unwrap();
     let s = BlockStored {
         block_hashes: hashes,
@@ -100,14 +102,21 @@ fn stream() -> (Vec<EventBatch>, u64) {
             tails.drain(..128);
         }
         blocks += events.iter().map(EngineEvent::block_count).sum::<usize>() as u64;
-        batches.push(EventBatch { ts: 1.7e9 + step as f64 * 0.01, events, dp_rank: Some(0) });
+        batches.push(EventBatch {
+            ts: 1.7e9 + step as f64 * 0.01,
+            events,
+            dp_rank: Some(0),
+        });
     }
     (batches, blocks)
 }
 
 fn payloads(format: WireFormat) -> (Vec<Vec<u8>>, u64) {
     let (batches, blocks) = stream();
-    (batches.iter().map(|b| encode_batch(b, format)).collect(), blocks)
+    (
+        batches.iter().map(|b| encode_batch(b, format)).collect(),
+        blocks,
+    )
 }
 
 fn decode_and_normalise(bencher: divan::Bencher<'_, '_>, format: WireFormat) {
@@ -129,7 +138,10 @@ fn decode_and_normalise(bencher: divan::Bencher<'_, '_>, format: WireFormat) {
 fn decode_only(bencher: divan::Bencher<'_, '_>, format: WireFormat) {
     let (payloads, blocks) = payloads(format);
     bencher.counter(ItemsCount::new(blocks)).bench_local(|| {
-        payloads.iter().map(|p| decode_batch(p).unwrap().events.len()).sum::<usize>()
+        payloads
+            .iter()
+            .map(|p| decode_batch(p).unwrap().events.len())
+            .sum::<usize>()
     });
 }
 

@@ -206,13 +206,13 @@ impl Normalizer {
                 block_size: bs,
             });
         }
-        if let Some(extra) = &s.extra_keys {
-            if extra.len() != blocks {
-                return Err(NormalizeError::ExtraKeysMismatch {
-                    blocks,
-                    extra: extra.len(),
-                });
-            }
+        if let Some(extra) = &s.extra_keys
+            && extra.len() != blocks
+        {
+            return Err(NormalizeError::ExtraKeysMismatch {
+                blocks,
+                extra: extra.len(),
+            });
         }
         let parent = match s.parent_block_hash {
             None => None,

@@ -1,6 +1,11 @@
 //! Property tests: codecs round-trip, the normaliser agrees with a naive model, and no input
 //! makes the decoders panic.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use std::collections::BTreeSet;
 
@@ -38,7 +43,13 @@ fn keys() -> impl Strategy<Value = Vec<BlockKey>> {
 
 fn kv_event() -> impl Strategy<Value = KvEvent> {
     prop_oneof![
-        (keys(), proptest::option::of(any::<u64>()), tier(), proptest::option::of("[a-z]{1,8}"), any::<u32>())
+        (
+            keys(),
+            proptest::option::of(any::<u64>()),
+            tier(),
+            proptest::option::of("[a-z]{1,8}"),
+            any::<u32>()
+        )
             .prop_map(|(keys, parent, tier, lora, token_count)| KvEvent::Stored {
                 keys,
                 parent: parent.map(BlockKey),
@@ -61,24 +72,42 @@ fn envelope() -> impl Strategy<Value = Envelope> {
         any::<u32>(),
         proptest::option::of("[a-z0-9-]{1,12}"),
         ".{0,20}",
-        select(vec![EngineKind::Vllm, EngineKind::Sglang, EngineKind::TrtLlm, EngineKind::Sim, EngineKind::Kvbm]),
+        select(vec![
+            EngineKind::Vllm,
+            EngineKind::Sglang,
+            EngineKind::TrtLlm,
+            EngineKind::Sim,
+            EngineKind::Kvbm,
+        ]),
         1u32..1024,
     )
-        .prop_map(|(namespace, pool, pod, ip, port, dp_rank, node, model, engine, block_size)| Source {
-            namespace,
-            pool,
-            pod,
-            ip,
-            port,
-            dp_rank,
-            node,
-            model,
-            engine,
-            block_size,
-        });
-    (source, any::<u64>(), any::<u64>(), proptest::collection::vec(kv_event(), 0..10)).prop_map(
-        |(source, epoch, seq, events)| Envelope { v: 1, source, epoch, seq, events },
+        .prop_map(
+            |(namespace, pool, pod, ip, port, dp_rank, node, model, engine, block_size)| Source {
+                namespace,
+                pool,
+                pod,
+                ip,
+                port,
+                dp_rank,
+                node,
+                model,
+                engine,
+                block_size,
+            },
+        );
+    (
+        source,
+        any::<u64>(),
+        any::<u64>(),
+        proptest::collection::vec(kv_event(), 0..10),
     )
+        .prop_map(|(source, epoch, seq, events)| Envelope {
+            v: 1,
+            source,
+            epoch,
+            seq,
+            events,
+        })
 }
 
 fn raw_value() -> impl Strategy<Value = RawValue> {
@@ -106,7 +135,10 @@ fn stored() -> impl Strategy<Value = BlockStored> {
         proptest::option::of(any::<i64>()),
         medium(),
         proptest::option::of(".{0,10}"),
-        proptest::option::of(proptest::collection::vec(proptest::option::of(raw_value()), 0..4)),
+        proptest::option::of(proptest::collection::vec(
+            proptest::option::of(raw_value()),
+            0..4,
+        )),
         (
             proptest::option::of(any::<i64>()),
             proptest::option::of("[a-z_]{0,20}"),
@@ -114,7 +146,17 @@ fn stored() -> impl Strategy<Value = BlockStored> {
         ),
     )
         .prop_map(
-            |(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys, (group_idx, kind, window))| {
+            |(
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                medium,
+                lora_name,
+                extra_keys,
+                (group_idx, kind, window),
+            )| {
                 BlockStored {
                     block_hashes,
                     parent_block_hash,
@@ -149,7 +191,11 @@ fn batch() -> impl Strategy<Value = EventBatch> {
         proptest::collection::vec(engine_event(), 0..8),
         proptest::option::of(any::<i64>()),
     )
-        .prop_map(|(ts, events, dp_rank)| EventBatch { ts, events, dp_rank })
+        .prop_map(|(ts, events, dp_rank)| EventBatch {
+            ts,
+            events,
+            dp_rank,
+        })
 }
 
 /// What survives a trip through a format that lacks some fields.
@@ -271,8 +317,17 @@ impl Model {
                     }
                 }
                 if !keys.is_empty() {
-                    let parent = s.parent_block_hash.and_then(|p| self.find(p)).map(|i| self.resident[i].1);
-                    out.push(KvEvent::Stored { keys, parent, tier, lora: s.lora_name.clone(), token_count: 0 });
+                    let parent = s
+                        .parent_block_hash
+                        .and_then(|p| self.find(p))
+                        .map(|i| self.resident[i].1);
+                    out.push(KvEvent::Stored {
+                        keys,
+                        parent,
+                        tier,
+                        lora: s.lora_name.clone(),
+                        token_count: 0,
+                    });
                 }
                 Ok(())
             }
@@ -283,15 +338,26 @@ impl Model {
                 if s.token_ids.len() != s.block_hashes.len() * BS as usize {
                     return Err("token_count_mismatch");
                 }
-                if s.extra_keys.as_ref().is_some_and(|e| e.len() != s.block_hashes.len()) {
+                if s.extra_keys
+                    .as_ref()
+                    .is_some_and(|e| e.len() != s.block_hashes.len())
+                {
                     return Err("extra_keys_mismatch");
                 }
                 let parent = match s.parent_block_hash {
                     None => None,
-                    Some(p) => Some(self.find(p).map(|i| self.resident[i].1).ok_or("unknown_parent")?),
+                    Some(p) => Some(
+                        self.find(p)
+                            .map(|i| self.resident[i].1)
+                            .ok_or("unknown_parent")?,
+                    ),
                 };
                 // The real normaliser counts repeated new hashes in one event more than once.
-                let new = s.block_hashes.iter().filter(|h| self.find(**h).is_none()).count();
+                let new = s
+                    .block_hashes
+                    .iter()
+                    .filter(|h| self.find(**h).is_none())
+                    .count();
                 if self.resident.len() + new > CAPACITY {
                     return Err("capacity_exceeded");
                 }
@@ -301,7 +367,11 @@ impl Model {
                 let mut keys = Vec::new();
                 for (i, h) in s.block_hashes.iter().enumerate() {
                     let tokens = &s.token_ids[i * BS as usize..(i + 1) * BS as usize];
-                    let extra = s.extra_keys.as_ref().and_then(|e| e[i].as_ref()).map(|r| r.0.as_slice());
+                    let extra = s
+                        .extra_keys
+                        .as_ref()
+                        .and_then(|e| e[i].as_ref())
+                        .map(|r| r.0.as_slice());
                     let key = naive_key(prev, tokens, extra);
                     prev = key.0;
                     keys.push(key);
@@ -311,7 +381,10 @@ impl Model {
                         }
                         Some(j) => {
                             for t in &self.resident[j].2 {
-                                out.push(KvEvent::Removed { keys: vec![self.resident[j].1], tier: *t });
+                                out.push(KvEvent::Removed {
+                                    keys: vec![self.resident[j].1],
+                                    tier: *t,
+                                });
                             }
                             self.resident[j] = (*h, key, BTreeSet::from([tier]));
                         }
@@ -355,14 +428,22 @@ impl Model {
     }
 
     fn resident_pairs(&self) -> BTreeSet<(BlockKey, Tier)> {
-        self.resident.iter().flat_map(|(_, k, ts)| ts.iter().map(move |t| (*k, *t))).collect()
+        self.resident
+            .iter()
+            .flat_map(|(_, k, ts)| ts.iter().map(move |t| (*k, *t)))
+            .collect()
     }
 }
 
 /// Events over a small universe so that parents, re-keying, removals and capacity all occur.
 fn small_event() -> impl Strategy<Value = EngineEvent> {
     let hash = (0u64..16).prop_map(EngineHash);
-    let small_medium = proptest::option::of(select(vec![Medium::Gpu, Medium::Cpu, Medium::Disk, Medium::External]));
+    let small_medium = proptest::option::of(select(vec![
+        Medium::Gpu,
+        Medium::Cpu,
+        Medium::Disk,
+        Medium::External,
+    ]));
     let stored = (
         proptest::collection::vec(hash.clone(), 1..4),
         proptest::option::of(hash.clone()),
@@ -373,23 +454,47 @@ fn small_event() -> impl Strategy<Value = EngineEvent> {
         proptest::option::of(select(vec!["salt".to_owned()])),
         prop_oneof![8 => Just(BS), 1 => Just(3u32)],
         prop_oneof![6 => Just(0usize), 1 => Just(1usize)],
-        proptest::option::of(proptest::collection::vec(proptest::option::of(raw_value()), 3)),
+        proptest::option::of(proptest::collection::vec(
+            proptest::option::of(raw_value()),
+            3,
+        )),
     )
-        .prop_map(|(hashes, parent, tokenless, pool, medium, lora_name, cache_salt, block_size, skew, extra)| {
-            let n = hashes.len();
-            let token_ids = if tokenless { Vec::new() } else { pool.iter().cycle().take(n * BS as usize + skew).copied().collect() };
-            BlockStored {
-                extra_keys: extra.map(|e| e.into_iter().take(n).collect()),
-                block_hashes: hashes,
-                parent_block_hash: parent,
-                token_ids,
-                block_size,
+        .prop_map(
+            |(
+                hashes,
+                parent,
+                tokenless,
+                pool,
                 medium,
                 lora_name,
                 cache_salt,
-                ..BlockStored::default()
-            }
-        });
+                block_size,
+                skew,
+                extra,
+            )| {
+                let n = hashes.len();
+                let token_ids = if tokenless {
+                    Vec::new()
+                } else {
+                    pool.iter()
+                        .cycle()
+                        .take(n * BS as usize + skew)
+                        .copied()
+                        .collect()
+                };
+                BlockStored {
+                    extra_keys: extra.map(|e| e.into_iter().take(n).collect()),
+                    block_hashes: hashes,
+                    parent_block_hash: parent,
+                    token_ids,
+                    block_size,
+                    medium,
+                    lora_name,
+                    cache_salt,
+                    ..BlockStored::default()
+                }
+            },
+        );
     prop_oneof![
         6 => stored.prop_map(EngineEvent::BlockStored),
         4 => (proptest::collection::vec(hash, 1..4), small_medium)
