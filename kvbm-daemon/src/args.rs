@@ -32,15 +32,14 @@ pub struct Args {
 impl Args {
     /// Checks what clap cannot.
     pub fn validate(&self) -> Result<(), String> {
-        if let Some(url) = &self.remote_url {
-            if !url.starts_with("redis://")
-                && !url.starts_with("rediss://")
-                && !url.starts_with("s3://")
-            {
-                return Err(format!(
-                    "--remote-url must be redis://, rediss:// or s3://, got {url:?}"
-                ));
-            }
+        if let Some(url) = &self.remote_url
+            && !["redis://", "rediss://", "s3://"]
+                .iter()
+                .any(|p| url.starts_with(p))
+        {
+            return Err(format!(
+                "--remote-url must be redis://, rediss:// or s3://, got {url:?}"
+            ));
         }
         if self.grpc_port == self.metrics_port {
             return Err("--grpc-port and --metrics-port must differ".into());
