@@ -404,12 +404,12 @@ impl Model {
                 let tier = tier_of(r.medium);
                 let mut keys = Vec::new();
                 for h in &r.block_hashes {
-                    if let Some(i) = self.find(*h) {
-                        if self.resident[i].2.remove(&tier) {
-                            keys.push(self.resident[i].1);
-                            if self.resident[i].2.is_empty() {
-                                self.resident.remove(i);
-                            }
+                    if let Some(i) = self.find(*h)
+                        && self.resident[i].2.remove(&tier)
+                    {
+                        keys.push(self.resident[i].1);
+                        if self.resident[i].2.is_empty() {
+                            self.resident.remove(i);
                         }
                     }
                 }
