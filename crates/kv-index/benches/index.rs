@@ -1,0 +1,310 @@
+//! The index's target benchmarks, in one seeded binary that prints percentiles (divan reports
+//! means, the targets are percentiles). Sizes come from env vars, defaulting to the targets':
+//!
+//! | variable | default | meaning |
+//! |---|---|---|
+//! | `KVGATE_BENCH_APPLY_EVENTS` | 10000000 | block events in the apply run |
+//! | `KVGATE_BENCH_SOURCES` | 256 | sources (= endpoints) |
+//! | `KVGATE_BENCH_ENTRIES` | 10000000 | resident (block, holder) entries for lookups |
+//! | `KVGATE_BENCH_PROMPT` | 512 | keys per looked-up prompt |
+//! | `KVGATE_BENCH_PREFIXES` | 1024 | shared system-prompt prefixes (64 keys each) |
+//! | `KVGATE_BENCH_LOOKUPS` | 20000 | timed lookups per phase |
+//! | `KVGATE_BENCH_WRITER_RATE` | 1000000 | block events/s applied by the background writer |
+//! | `KVGATE_BENCH_NAIVE` | 1 | also run the naive model (0: skip) |
+//!
+//! Run: `cargo bench -p kvgate-kv-index --bench index`.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+mod common;
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Rng, env_usize, mix, percentiles, report, rss_bytes};
+use kv_events::{BlockKey, KvEvent, Tier};
+use kv_index::{EndpointId, Holder, IndexConfig, KvIndex};
+
+const SHARED_LEN: usize = 64;
+
+fn ep(i: usize) -> EndpointId {
+    EndpointId::new(i as u32).unwrap()
+}
+
+fn stored(keys: Vec<BlockKey>) -> KvEvent {
+    KvEvent::Stored {
+        keys,
+        parent: None,
+        tier: Tier::Gpu,
+        lora: None,
+        token_count: 256,
+    }
+}
+
+/// Per source: store 16 fresh keys, and once past a 4096-key window remove the 16 oldest.
+fn apply_workload(sources: usize, events: usize, seed: u64) -> Vec<(Holder, Vec<KvEvent>)> {
+    let mut rng = Rng::new(seed);
+    let mut next = vec![0u64; sources];
+    let mut out = Vec::new();
+    let mut n = 0;
+    while n < events {
+        let s = rng.below(sources as u64) as usize;
+        let base = next[s];
+        let keys: Vec<BlockKey> = (base..base + 16)
+            .map(|i| BlockKey(mix(s as u64, i)))
+            .collect();
+        let mut evs = vec![stored(keys)];
+        n += 16;
+        if base >= 4096 {
+            let old: Vec<BlockKey> = (base - 4096..base - 4080)
+                .map(|i| BlockKey(mix(s as u64, i)))
+                .collect();
+            evs.push(KvEvent::Removed {
+                keys: old,
+                tier: Tier::Gpu,
+            });
+            n += 16;
+        }
+        next[s] += 16;
+        out.push((Holder::Endpoint(ep(s)), evs));
+    }
+    out
+}
+
+fn bench_apply() {
+    let sources = env_usize("KVGATE_BENCH_SOURCES", 256);
+    let events = env_usize("KVGATE_BENCH_APPLY_EVENTS", 10_000_000);
+    let work = apply_workload(sources, events, 1);
+    let total: usize = work
+        .iter()
+        .flat_map(|(_, e)| e)
+        .map(KvEvent::key_count)
+        .sum();
+    let idx = KvIndex::new(IndexConfig {
+        shards: 16,
+        capacity: 1 << 30,
+    })
+    .unwrap();
+    let t = Instant::now();
+    for (h, evs) in &work {
+        idx.apply(*h, evs);
+    }
+    let dt = t.elapsed();
+    let rate = total as f64 / dt.as_secs_f64();
+    report(&format!(
+        "apply: {total} block events from {sources} sources in {:.3} s = {:.2} M events/s (resident at end: {})",
+        dt.as_secs_f64(),
+        rate / 1e6,
+        idx.stats().residencies
+    ));
+    if env_usize("KVGATE_BENCH_NAIVE", 1) != 0 {
+        let mut model = support::Model::default();
+        let t = Instant::now();
+        for (h, evs) in &work {
+            model.apply(*h, evs);
+        }
+        let nrate = total as f64 / t.elapsed().as_secs_f64();
+        report(&format!(
+            "apply naive model: {:.2} M events/s (index/naive = {:.1}x)",
+            nrate / 1e6,
+            rate / nrate
+        ));
+    }
+}
+
+struct Population {
+    /// Every resident chain: (endpoint, keys).
+    chains: Vec<(usize, Vec<BlockKey>)>,
+}
+
+/// Chains of `prompt` keys: a shared 64-key system prompt (one of `prefixes`) then a suffix
+/// unique to the chain, spread over endpoints until `entries` residencies exist.
+fn population(
+    endpoints: usize,
+    entries: usize,
+    prompt: usize,
+    prefixes: usize,
+    seed: u64,
+) -> Population {
+    let mut rng = Rng::new(seed);
+    let mut chains = Vec::new();
+    let mut n = 0;
+    let mut id = 0u64;
+    while n < entries {
+        let e = chains.len() % endpoints;
+        let p = rng.below(prefixes as u64);
+        let keys: Vec<BlockKey> = (0..prompt)
+            .map(|i| {
+                if i < SHARED_LEN {
+                    BlockKey(mix(p, i as u64))
+                } else {
+                    BlockKey(mix(1 << 40 | id, i as u64))
+                }
+            })
+            .collect();
+        id += 1;
+        n += prompt;
+        chains.push((e, keys));
+    }
+    Population { chains }
+}
+
+fn time_lookups(
+    idx: &KvIndex,
+    pop: &Population,
+    cands: &[EndpointId],
+    n: usize,
+    seed: u64,
+) -> Vec<Duration> {
+    let mut rng = Rng::new(seed);
+    let mut out = Vec::with_capacity(pop.chains.len().min(1));
+    let mut samples = Vec::with_capacity(n);
+    let mut sink = 0u64;
+    for _ in 0..n {
+        let (_, keys) = &pop.chains[rng.below(pop.chains.len() as u64) as usize];
+        out.clear();
+        let t = Instant::now();
+        idx.find_matches_into(keys, cands, &mut out);
+        samples.push(t.elapsed());
+        sink += out
+            .iter()
+            .map(|o| u64::from(o.reach(Tier::Gpu)))
+            .sum::<u64>();
+    }
+    assert!(sink > 0);
+    samples
+}
+
+fn bench_lookup() {
+    let endpoints = env_usize("KVGATE_BENCH_SOURCES", 256);
+    let entries = env_usize("KVGATE_BENCH_ENTRIES", 10_000_000);
+    let prompt = env_usize("KVGATE_BENCH_PROMPT", 512);
+    let prefixes = env_usize("KVGATE_BENCH_PREFIXES", 1024);
+    let lookups = env_usize("KVGATE_BENCH_LOOKUPS", 20_000);
+    let pop = population(endpoints, entries, prompt, prefixes, 2);
+    let rss0 = rss_bytes();
+    let idx = Arc::new(
+        KvIndex::new(IndexConfig {
+            shards: 16,
+            capacity: 1 << 30,
+        })
+        .unwrap(),
+    );
+    let t = Instant::now();
+    for (e, keys) in &pop.chains {
+        idx.apply(Holder::Endpoint(ep(*e)), &[stored(keys.clone())]);
+    }
+    let build = t.elapsed();
+    let st = idx.stats();
+    let rss = rss_bytes().saturating_sub(rss0);
+    report(&format!(
+        "build: {} residencies, {} blocks in {:.2} s; memory: RSS delta {} MB = {:.1} B/residency, tables {:.1} B/residency",
+        st.residencies,
+        st.blocks,
+        build.as_secs_f64(),
+        rss >> 20,
+        rss as f64 / st.residencies as f64,
+        st.heap_bytes as f64 / st.residencies as f64
+    ));
+    let cands: Vec<EndpointId> = (0..endpoints).map(ep).collect();
+    time_lookups(&idx, &pop, &cands, lookups / 10, 3); // warm-up
+    let mut s = time_lookups(&idx, &pop, &cands, lookups, 4);
+    let (p50, p99, max) = percentiles(&mut s);
+    let p50_idle = p50;
+    report(&format!(
+        "lookup: {prompt}-key resident prompt vs {endpoints} endpoints, {} residencies: p50 {:.2} us, p99 {:.2} us, max {:.1} us",
+        st.residencies,
+        p50 as f64 / 1e3,
+        p99 as f64 / 1e3,
+        max as f64 / 1e3
+    ));
+
+    // The same lookups while a writer applies `rate` block events/s on another thread.
+    let rate = env_usize("KVGATE_BENCH_WRITER_RATE", 1_000_000) as u64;
+    let stop = Arc::new(AtomicBool::new(false));
+    let applied = Arc::new(AtomicU64::new(0));
+    let writer = {
+        let (idx, stop, applied) = (Arc::clone(&idx), Arc::clone(&stop), Arc::clone(&applied));
+        let work = apply_workload(endpoints, 4_000_000, 5);
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let mut done = 0u64;
+            for (h, evs) in work.iter().cycle() {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                // Pace: never run ahead of `rate`.
+                // Sleep rather than spin so the reader keeps its core.
+                let due = Duration::from_nanos(done * 1_000_000_000 / rate.max(1));
+                if let Some(ahead) = due.checked_sub(start.elapsed()) {
+                    std::thread::sleep(ahead);
+                }
+                idx.apply(*h, evs);
+                done += evs.iter().map(KvEvent::key_count).sum::<usize>() as u64;
+            }
+            applied.store(done, Ordering::Relaxed);
+            start.elapsed()
+        })
+    };
+    let mut s = time_lookups(&idx, &pop, &cands, lookups, 6);
+    stop.store(true, Ordering::Relaxed);
+    let wall = writer.join().unwrap();
+    let (p50, p99, max) = percentiles(&mut s);
+    report(&format!(
+        "lookup under writer ({:.2} M events/s achieved): p50 {:.2} us, p99 {:.2} us, max {:.1} us",
+        applied.load(Ordering::Relaxed) as f64 / wall.as_secs_f64() / 1e6,
+        p50 as f64 / 1e3,
+        p99 as f64 / 1e3,
+        max as f64 / 1e3
+    ));
+
+    if env_usize("KVGATE_BENCH_NAIVE", 1) != 0 {
+        let t = Instant::now();
+        let mut model = support::Model::default();
+        for (e, keys) in &pop.chains {
+            model.apply(Holder::Endpoint(ep(*e)), &[stored(keys.clone())]);
+        }
+        let build_naive = t.elapsed();
+        let mut rng = Rng::new(4);
+        let mut ns = Vec::new();
+        for _ in 0..(lookups / 20).max(10) {
+            let (_, keys) = &pop.chains[rng.below(pop.chains.len() as u64) as usize];
+            let t = Instant::now();
+            let r: u32 = cands.iter().map(|&c| model.find(keys, c)[0]).sum();
+            ns.push(t.elapsed());
+            assert!(r > 0);
+        }
+        let (np50, np99, _) = percentiles(&mut ns);
+        report(&format!(
+            "naive model: build {:.2} s, lookup p50 {:.1} us, p99 {:.1} us (naive/index p50 = {:.1}x)",
+            build_naive.as_secs_f64(),
+            np50 as f64 / 1e3,
+            np99 as f64 / 1e3,
+            np50 as f64 / p50_idle.max(1) as f64
+        ));
+    }
+}
+
+fn main() {
+    if !common::bench_requested() {
+        return;
+    }
+    let which = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with('-'))
+        .unwrap_or_default();
+    if which.is_empty() || which == "apply" {
+        bench_apply();
+    }
+    if which.is_empty() || which == "lookup" {
+        bench_lookup();
+    }
+}
