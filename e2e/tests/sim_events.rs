@@ -1,0 +1,323 @@
+//! The simulator's KV events, decoded with `crates/kv-events` as a consumer of real vLLM would.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+mod support;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use base64::Engine as _;
+use kv_events::engine::{EngineEvent, decode_batch};
+use kv_events::frame::{KvFrame, ReplayReply, replay_request};
+use kv_events::key::{KeySeed, block_keys};
+use kv_events::normalize::{Normalizer, NormalizerConfig};
+use serde_json::json;
+use support::{Sim, free_port};
+
+fn subscriber(ctx: &zmq::Context, port: u16) -> zmq::Socket {
+    let sub = ctx.socket(zmq::SUB).unwrap();
+    sub.set_subscribe(b"").unwrap();
+    sub.connect(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    // Let the subscription reach the publisher before anything is sent.
+    std::thread::sleep(Duration::from_millis(300));
+    sub
+}
+
+/// Every message until `quiet` passes without one.
+fn drain(sub: &zmq::Socket, quiet: Duration) -> Vec<Vec<Vec<u8>>> {
+    sub.set_rcvtimeo(quiet.as_millis() as i32).unwrap();
+    let mut out = Vec::new();
+    while let Ok(parts) = sub.recv_multipart(0) {
+        out.push(parts);
+    }
+    out
+}
+
+fn events_config(pub_port: u16, replay_port: u16, topic: Option<&str>) -> String {
+    let mut v = json!({
+        "enable_kv_cache_events": true, "publisher": "zmq",
+        "endpoint": format!("tcp://*:{pub_port}"),
+        "replay_endpoint": format!("tcp://*:{replay_port}"),
+    });
+    if let Some(t) = topic {
+        v["topic"] = json!(t);
+    }
+    v.to_string()
+}
+
+/// With the real Qwen3 tokenizer, vLLM's block size, model name, topic and PYTHONHASHSEED, the
+/// first batch the simulator publishes for the captured request is byte-identical to what real
+/// vLLM 0.32 published, apart from the timestamp.
+#[test]
+fn first_batch_is_byte_identical_to_real_vllm() {
+    let shared = support::shared();
+    let fixtures = shared.join("fixtures/vllm/v0.32.0-map");
+    let requests: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures.join("requests.json")).unwrap())
+            .unwrap();
+    let request_a = requests["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["phase"] == "a")
+        .unwrap()
+        .clone();
+    let frames = std::fs::read_to_string(fixtures.join("frames.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(frames.lines().next().unwrap()).unwrap();
+    let parts: Vec<Vec<u8>> = first["frames_b64"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            base64::engine::general_purpose::STANDARD
+                .decode(f.as_str().unwrap())
+                .unwrap()
+        })
+        .collect();
+    let want = KvFrame::from_parts(&parts).unwrap();
+    assert_eq!(want.seq, 0);
+
+    let (p, r) = (free_port(), free_port());
+    let tokenizer = support::qwen3_dir();
+    let config = events_config(p, r, Some(want.topic));
+    let sim = Sim::start_env(
+        &[
+            "--model",
+            "tiny",
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "2048",
+            "--time-scale",
+            "20",
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--kv-events-config",
+            &config,
+        ],
+        &[("PYTHONHASHSEED", "0")],
+    );
+    let ctx = zmq::Context::new();
+    let sub = subscriber(&ctx, p);
+    let resp = sim.post("/v1/chat/completions", &request_a["body"]);
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let resp = resp.json();
+    assert_eq!(
+        resp["usage"]["prompt_tokens"],
+        request_a["usage"]["prompt_tokens"]
+    );
+    assert_eq!(
+        resp["prompt_token_ids"], request_a["prompt_token_ids"],
+        "token ids differ from vLLM's"
+    );
+    let got = drain(&sub, Duration::from_millis(500));
+    let got = KvFrame::from_parts(&got[0]).unwrap();
+    assert_eq!(got.topic, want.topic);
+    assert_eq!(got.seq, 0);
+    // [fixarray 3, 0xcb, 8 bytes of f64 ts, …]: mask the timestamp.
+    let mask = |b: &[u8]| {
+        let mut b = b.to_vec();
+        assert_eq!(&b[..2], &[0x93, 0xcb]);
+        b[2..10].fill(0);
+        b
+    };
+    assert_eq!(
+        mask(got.payload),
+        mask(want.payload),
+        "payload differs from real vLLM's"
+    );
+}
+
+/// Under eviction pressure every stored block is later removed or still resident, removals
+/// only name resident blocks, sequence numbers are contiguous, the keys a router computes from
+/// the prompt's token ids equal the normalised keys of the events, and replay returns the
+/// same bytes.
+#[test]
+fn event_stream_accounts_for_every_block() {
+    let (p, r) = (free_port(), free_port());
+    let config = events_config(p, r, None);
+    let sim = Sim::start(&[
+        "--model",
+        "m",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks",
+        "40",
+        "--max-model-len",
+        "512",
+        "--time-scale",
+        "50",
+        "--kv-events-config",
+        &config,
+    ]);
+    let ctx = zmq::Context::new();
+    let sub = subscriber(&ctx, p);
+    let port = sim.port;
+    let mut prompts = Vec::new();
+    let handles: Vec<_> = (0..24)
+        .map(|i| {
+            // Four shared 64-byte stems (16 tokens) and distinct tails: hits and evictions.
+            let prompt = format!("{}{}", format!("stem{}", i % 4).repeat(16), format!("tail-{i:03}-").repeat(12));
+            prompts.push(prompt.clone());
+            std::thread::spawn(move || {
+                let body = json!({"prompt": prompt, "max_tokens": 20, "ignore_eos": true, "return_token_ids": true});
+                support::try_request(port, "POST", "/v1/completions", Some(body.to_string().as_bytes())).unwrap()
+            })
+        })
+        .collect();
+    let mut prompt_ids = Vec::new();
+    for h in handles {
+        let r = h.join().unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        prompt_ids.push(r.json()["choices"][0]["prompt_token_ids"].clone());
+    }
+    let live = drain(&sub, Duration::from_millis(700));
+    assert!(!live.is_empty());
+    // vLLM does not de-duplicate: two blocks may hold the same hash, each stored and removed.
+    let mut resident: HashMap<u64, u32> = HashMap::new();
+    let mut normalizer = Normalizer::new(NormalizerConfig::new("m", 16));
+    let mut keys_seen = HashSet::new();
+    let (mut stored, mut removed) = (0, 0);
+    for (i, parts) in live.iter().enumerate() {
+        let frame = KvFrame::from_parts(parts).unwrap();
+        assert_eq!(frame.seq, i as u64, "contiguous seq from 0");
+        assert!(frame.topic.starts_with("kv@127.0.0.1:"), "{}", frame.topic);
+        let batch = decode_batch(frame.payload).unwrap();
+        assert_eq!(batch.dp_rank, Some(0));
+        for e in &batch.events {
+            let mut out = Vec::new();
+            normalizer.apply(e, &mut out).unwrap();
+            for k in &out {
+                if let kv_events::event::KvEvent::Stored { keys, .. } = k {
+                    keys_seen.extend(keys.iter().copied());
+                }
+            }
+            match e {
+                EngineEvent::BlockStored(s) => {
+                    for h in &s.block_hashes {
+                        *resident.entry(h.0).or_default() += 1;
+                        stored += 1;
+                    }
+                }
+                EngineEvent::BlockRemoved(rm) => {
+                    assert_eq!(rm.block_hashes.len(), 1, "vLLM removes one block per event");
+                    for h in &rm.block_hashes {
+                        let n = resident
+                            .get_mut(&h.0)
+                            .expect("removal of a block never stored");
+                        *n -= 1;
+                        if *n == 0 {
+                            resident.remove(&h.0);
+                        }
+                        removed += 1;
+                    }
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    assert!(removed > 0, "the test must exercise eviction");
+    assert!(stored > 40);
+    let copies: u32 = resident.values().sum();
+    assert_eq!(f64::from(copies), sim.metric("kvgate_sim_cached_blocks"));
+    // The router's view: keys of each prompt's full blocks were all published (some later evicted).
+    for ids in &prompt_ids {
+        let ids: Vec<u32> = ids
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        for key in block_keys(KeySeed::new("m", None), &ids, 16) {
+            assert!(
+                keys_seen.contains(&key),
+                "a prompt block's kvgate key was never published"
+            );
+        }
+    }
+    // Replay from seq 0 returns the live bytes.
+    let dealer = ctx.socket(zmq::DEALER).unwrap();
+    dealer.set_rcvtimeo(5000).unwrap();
+    dealer.connect(&format!("tcp://127.0.0.1:{r}")).unwrap();
+    dealer.send_multipart(replay_request(0), 0).unwrap();
+    let mut replayed = 0;
+    loop {
+        let parts = dealer.recv_multipart(0).unwrap();
+        match ReplayReply::from_parts(&parts).unwrap() {
+            ReplayReply::Batch { frame, .. } => {
+                let live_frame = KvFrame::from_parts(&live[frame.seq as usize]).unwrap();
+                assert_eq!(frame, live_frame);
+                replayed += 1;
+            }
+            ReplayReply::End => break,
+        }
+    }
+    assert_eq!(replayed, live.len());
+    // A reset publishes AllBlocksCleared.
+    assert_eq!(sim.post("/reset_prefix_cache", &json!({})).status, 200);
+    let after = drain(&sub, Duration::from_millis(500));
+    let batch = decode_batch(KvFrame::from_parts(&after[0]).unwrap().payload).unwrap();
+    assert_eq!(batch.events, vec![EngineEvent::AllBlocksCleared]);
+    assert_eq!(sim.metric("kvgate_sim_cached_blocks"), 0.0);
+}
+
+#[test]
+fn array_format_and_salt_are_what_vllm_0_23_consumers_expect() {
+    let (p, r) = (free_port(), free_port());
+    let config = events_config(p, r, Some(""));
+    let sim = Sim::start_env(
+        &[
+            "--model",
+            "m",
+            "--block-size",
+            "16",
+            "--time-scale",
+            "50",
+            "--kv-events-format",
+            "array",
+            "--kv-events-config",
+            &config,
+        ],
+        &[("PYTHONHASHSEED", "7")],
+    );
+    let ctx = zmq::Context::new();
+    let sub = subscriber(&ctx, p);
+    let body = json!({"prompt": "abcd".repeat(33), "max_tokens": 1, "cache_salt": "tenant-a", "return_token_ids": true});
+    let resp = sim.post("/v1/completions", &body).json();
+    let ids: Vec<u32> = resp["choices"][0]["prompt_token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let msgs = drain(&sub, Duration::from_millis(500));
+    let frame = KvFrame::from_parts(&msgs[0]).unwrap();
+    assert_eq!(frame.topic, "");
+    assert_eq!(frame.payload[2 + 8], 0x91, "events array of one");
+    assert_eq!(
+        frame.payload[2 + 8 + 1] & 0xf0,
+        0x90,
+        "event encoded as a positional array"
+    );
+    let batch = decode_batch(frame.payload).unwrap();
+    let EngineEvent::BlockStored(s) = &batch.events[0] else {
+        panic!()
+    };
+    // Hashes are vLLM's sha256_cbor with the salt in the first block's extra keys.
+    let none = kv_events::engine_hash::vllm_none_hash(Some("7"));
+    let salt =
+        kv_events::engine_hash::CborValue::Array(vec![kv_events::engine_hash::CborValue::Text(
+            "tenant-a".into(),
+        )]);
+    let d0 = kv_events::engine_hash::vllm_block_digest(&none, &ids[..16], Some(&salt));
+    let d1 = kv_events::engine_hash::vllm_block_digest(&d0, &ids[16..32], None);
+    assert_eq!(s.block_hashes[0], d0.vllm_published());
+    assert_eq!(s.block_hashes[1], d1.vllm_published());
+    let extra = s.extra_keys.as_ref().unwrap();
+    assert!(extra[0].is_some() && extra[1].is_none());
+}
