@@ -346,3 +346,58 @@ fn disaggregated_prefill_then_decode() {
     // The transferred 32 tokens are not recomputed.
     assert_eq!(d["usage"]["prompt_tokens_details"]["cached_tokens"], 32);
 }
+
+#[test]
+fn stalls_pause_a_stream_once_and_slow_start_delays_listening() {
+    let sim = Sim::start(&args(&[
+        "--fault-stall-rate",
+        "1",
+        "--fault-stall-ms",
+        "600",
+    ]));
+    let t = std::time::Instant::now();
+    let r = sim.post(
+        "/v1/completions",
+        &json!({"prompt": "a", "stream": true, "max_tokens": 4, "ignore_eos": true}),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.sse().last().unwrap(), "[DONE]");
+    assert!(
+        t.elapsed() >= std::time::Duration::from_millis(600),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(sim.metric("kvgate_sim_stalls_injected_total"), 1.0);
+    drop(sim);
+
+    let port = support::free_port();
+    let started = std::time::Instant::now();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate-sim"))
+        .args([
+            "--port",
+            &port.to_string(),
+            "--host",
+            "127.0.0.1",
+            "--startup-delay-ms",
+            "800",
+        ])
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        support::try_request(port, "GET", "/health", None).is_err(),
+        "must not listen during the start-up delay"
+    );
+    let mut up = false;
+    while started.elapsed() < std::time::Duration::from_secs(20) {
+        if support::try_request(port, "GET", "/health", None).is_ok_and(|r| r.status == 200) {
+            up = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(up && started.elapsed() >= std::time::Duration::from_millis(800));
+}

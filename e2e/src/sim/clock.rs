@@ -20,6 +20,11 @@ impl Clock {
         }
     }
 
+    /// How many times faster than wall time model time runs.
+    pub fn scale(&self) -> f64 {
+        self.scale
+    }
+
     /// The current model time.
     pub fn now(&self) -> Nanos {
         self.model_at(Instant::now())

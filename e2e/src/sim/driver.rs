@@ -91,7 +91,13 @@ pub struct LagStats {
     pub max_ns: std::sync::atomic::AtomicU64,
 }
 
+/// Timer jitter the engine clock absorbs before it jumps to the wall clock: steps run back to
+/// back in model time while the loop is late by less than this (wall time).
+const MAX_DRIFT: std::time::Duration = std::time::Duration::from_millis(5);
+
 struct Shared {
+    /// End (model time) of the step in flight; 0 while idle.
+    busy_until: std::sync::atomic::AtomicU64,
     lag: Arc<LagStats>,
     state: Mutex<State>,
     wake: Notify,
@@ -160,6 +166,7 @@ impl Driver {
         max_waiting: u32,
     ) -> Self {
         let shared = Arc::new(Shared {
+            busy_until: std::sync::atomic::AtomicU64::new(0),
             lag: Arc::default(),
             state: Mutex::new(State {
                 engine,
@@ -193,7 +200,19 @@ impl Driver {
 
     /// Admits a request.
     pub fn submit(&self, s: Submit) -> Result<Ticket, SubmitError> {
-        let arrival = self.shared.clock.now();
+        // While the engine is busy its clock is the end of the running step; a request arriving
+        // during that step is due for the next one even if timer jitter put the wall clock a
+        // little past it.
+        let wall_now = self.shared.clock.now();
+        let busy_until = self
+            .shared
+            .busy_until
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let arrival = if busy_until == 0 {
+            wall_now
+        } else {
+            wall_now.min(busy_until)
+        };
         let (tx, rx) = mpsc::unbounded_channel();
         let id = {
             let mut st = self.lock();
@@ -272,9 +291,16 @@ fn wall_ts() -> f64 {
 }
 
 async fn run(shared: Arc<Shared>) {
-    let mut engine_free_at: Nanos = 0;
+    use std::sync::atomic::Ordering::Relaxed;
+    let max_drift = (MAX_DRIFT.as_nanos() as f64 * shared.clock.scale()) as Nanos;
+    // Model time at which the previous step ended, while steps run back to back.
+    let mut busy_until: Option<Nanos> = None;
     loop {
-        let now = shared.clock.now().max(engine_free_at);
+        let wall = shared.clock.now();
+        let now = match busy_until {
+            Some(t) => t.max(wall.saturating_sub(max_drift)),
+            None => wall,
+        };
         let (step, payload, wakeup) = {
             let mut st = lock(&shared);
             if st.stopped {
@@ -297,6 +323,8 @@ async fn run(shared: Arc<Shared>) {
             (step, payload, st.engine.next_wakeup())
         };
         let Some(step) = step else {
+            busy_until = None;
+            shared.busy_until.store(0, Relaxed);
             if let (Some(p), Some(payload)) = (&shared.publisher, payload) {
                 p.publish(payload);
             }
@@ -313,14 +341,14 @@ async fn run(shared: Arc<Shared>) {
             continue;
         };
         let end = now + step.duration;
-        engine_free_at = end;
+        busy_until = Some(end);
+        shared.busy_until.store(end.max(1), Relaxed);
         let due = shared.clock.wall_at(end);
         tokio::time::sleep_until(tokio::time::Instant::from_std(due)).await;
         let lag = std::time::Instant::now()
             .saturating_duration_since(due)
             .as_nanos() as u64;
         {
-            use std::sync::atomic::Ordering::Relaxed;
             shared.lag.sum_ns.fetch_add(lag, Relaxed);
             shared.lag.steps.fetch_add(1, Relaxed);
             shared.lag.max_ns.fetch_max(lag, Relaxed);

@@ -337,6 +337,36 @@ mod tests {
     }
 
     #[test]
+    fn connects_to_a_bound_subscriber_when_the_endpoint_names_a_host() {
+        let ctx = zmq::Context::new();
+        let sub = ctx.socket(zmq::SUB).unwrap();
+        sub.set_subscribe(b"").unwrap();
+        sub.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = sub.get_last_endpoint().unwrap().unwrap();
+        let publisher = Publisher::start(PublisherConfig {
+            endpoint,
+            replay_endpoint: None,
+            topic: "t".into(),
+            buffer_steps: 0,
+            hwm: 1000,
+            max_queue_size: 16,
+            replay_layout: ReplayLayout::WithTopic,
+        })
+        .unwrap();
+        sub.set_rcvtimeo(20).unwrap();
+        let mut got = None;
+        for _ in 0..250 {
+            publisher.publish(b"x".to_vec());
+            if let Ok(parts) = sub.recv_multipart(0) {
+                got = Some(parts);
+                break;
+            }
+        }
+        let parts = got.expect("nothing arrived over the connected PUB socket");
+        assert_eq!(KvFrame::from_parts(&parts).unwrap().topic, "t");
+    }
+
+    #[test]
     fn port_clash_is_a_startup_error() {
         let held = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
         let port = held.local_addr().unwrap().port();
