@@ -320,4 +320,20 @@ fn array_format_and_salt_are_what_vllm_0_23_consumers_expect() {
     assert_eq!(s.block_hashes[1], d1.vllm_published());
     let extra = s.extra_keys.as_ref().unwrap();
     assert!(extra[0].is_some() && extra[1].is_none());
+    // A router keying the salted request gets the keys the normaliser derives from the events.
+    let mut normalizer = Normalizer::new(NormalizerConfig::new("m", 16));
+    let mut out = Vec::new();
+    normalizer.apply(&batch.events[0], &mut out).unwrap();
+    let kv_events::event::KvEvent::Stored { keys, .. } = &out[0] else {
+        panic!()
+    };
+    let want = kv_events::key::request_block_keys(
+        "m",
+        Some("tenant-a"),
+        kv_events::key::SaltStyle::VllmExtraKey,
+        &ids,
+        16,
+    );
+    assert_eq!(keys[..], want[..keys.len()]);
+    assert_eq!(keys.len(), 2);
 }

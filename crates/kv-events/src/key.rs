@@ -83,6 +83,70 @@ impl KeyHasher {
     }
 }
 
+/// How an engine folds a request's `cache_salt` into its published blocks, and so how a router
+/// must key a salted request to match the keys the normaliser derives from the engine's events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaltStyle {
+    /// vLLM: the salt is the first block's extra key, the tuple `(cache_salt,)`, published as
+    /// MessagePack in `extra_keys` and mixed after that block's tokens.
+    VllmExtraKey,
+    /// SGLang: the salt is published beside the event and goes into the seed.
+    Seed,
+}
+
+/// The MessagePack bytes vLLM publishes as a salted first block's `extra_keys` entry: the
+/// one-element tuple `(cache_salt,)`.
+pub fn vllm_salt_extra_key(salt: &str) -> Vec<u8> {
+    let mut w = crate::msgpack::Writer::new();
+    w.array(1);
+    w.str(salt);
+    w.into_inner()
+}
+
+/// The keys a router computes for a request's prompt: every full block, seeded by the model
+/// (or LoRA adapter) name, with the cache salt folded in as the engine does.
+pub fn request_block_keys(
+    model_or_lora: &str,
+    cache_salt: Option<&str>,
+    style: SaltStyle,
+    tokens: &[u32],
+    block_size: usize,
+) -> Vec<BlockKey> {
+    let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
+    if block_size == 0 {
+        return out;
+    }
+    let mut hasher = KeyHasher::new();
+    match (cache_salt, style) {
+        (Some(salt), SaltStyle::VllmExtraKey) => {
+            let Some(first) = tokens.get(..block_size) else {
+                return out;
+            };
+            let extra = vllm_salt_extra_key(salt);
+            let key0 = hasher.next(KeySeed::new(model_or_lora, None).0, first, Some(&extra));
+            out.push(key0);
+            let rest = tokens.get(block_size..).unwrap_or_default();
+            hasher.extend(
+                KeySeed::new(model_or_lora, None),
+                Some(key0),
+                rest,
+                block_size,
+                &mut out,
+            );
+        }
+        (salt, _) => {
+            hasher.extend(
+                KeySeed::new(model_or_lora, salt),
+                None,
+                tokens,
+                block_size,
+                &mut out,
+            );
+        }
+    }
+    out
+}
+
 /// The keys of every full block of a prompt (convenience for one-off use).
 pub fn block_keys(seed: KeySeed, tokens: &[u32], block_size: usize) -> Vec<BlockKey> {
     let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
@@ -93,6 +157,25 @@ pub fn block_keys(seed: KeySeed, tokens: &[u32], block_size: usize) -> Vec<Block
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn salted_vllm_keys_mix_the_salt_into_the_first_block_only() {
+        let t: Vec<u32> = (0..40).collect();
+        let plain = request_block_keys("m", None, SaltStyle::VllmExtraKey, &t, 16);
+        assert_eq!(plain, block_keys(KeySeed::new("m", None), &t, 16));
+        let salted = request_block_keys("m", Some("s"), SaltStyle::VllmExtraKey, &t, 16);
+        assert_eq!(salted.len(), 2);
+        let extra = vllm_salt_extra_key("s");
+        assert_eq!(extra, vec![0x91, 0xa1, b's']);
+        let k0 = KeyHasher::new().next(KeySeed::new("m", None).0, &t[..16], Some(&extra));
+        assert_eq!(salted[0], k0);
+        assert_eq!(salted[1], KeyHasher::new().next(k0.0, &t[16..32], None));
+        let sglang = request_block_keys("m", Some("s"), SaltStyle::Seed, &t, 16);
+        assert_eq!(sglang, block_keys(KeySeed::new("m", Some("s")), &t, 16));
+        assert!(
+            request_block_keys("m", Some("s"), SaltStyle::VllmExtraKey, &t[..3], 16).is_empty()
+        );
+    }
 
     #[test]
     fn keys_follow_the_documented_formula() {

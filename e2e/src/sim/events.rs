@@ -58,7 +58,7 @@ impl BatchEncoder {
                     .iter()
                     .enumerate()
                     .map(|(i, _)| match (&salt, i) {
-                        (Some(s), 0) => Some(RawValue(super::vllm_hash::salt_extra_key(s))),
+                        (Some(s), 0) => Some(RawValue(kv_events::key::vllm_salt_extra_key(s))),
                         _ => None,
                     })
                     .collect();

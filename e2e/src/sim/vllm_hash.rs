@@ -39,27 +39,6 @@ impl BlockHashChain for VllmChain {
     }
 }
 
-/// The MessagePack bytes vLLM publishes as a salted first block's `extra_keys` entry: the tuple
-/// `(cache_salt,)`.
-pub fn salt_extra_key(salt: &str) -> Vec<u8> {
-    let mut out = Vec::with_capacity(salt.len() + 6);
-    out.push(0x91); // fixarray of 1
-    let len = salt.len();
-    if len < 32 {
-        out.push(0xa0 | len as u8);
-    } else if let Ok(l) = u8::try_from(len) {
-        out.extend_from_slice(&[0xd9, l]);
-    } else if let Ok(l) = u16::try_from(len) {
-        out.push(0xda);
-        out.extend_from_slice(&l.to_be_bytes());
-    } else {
-        out.push(0xdb);
-        out.extend_from_slice(&(len as u32).to_be_bytes());
-    }
-    out.extend_from_slice(salt.as_bytes());
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -87,12 +66,5 @@ mod tests {
         for b in tokens.chunks(16) {
             assert_ne!(plain.next_block(b), salted.next_block(b));
         }
-    }
-
-    #[test]
-    fn salt_extra_key_is_a_msgpack_one_tuple() {
-        assert_eq!(salt_extra_key("ab"), vec![0x91, 0xa2, b'a', b'b']);
-        let long = "x".repeat(40);
-        assert_eq!(&salt_extra_key(&long)[..3], &[0x91, 0xd9, 40]);
     }
 }
