@@ -27,6 +27,7 @@ pub struct HfTokenizer {
     templates: ChatTemplates,
     eos_token_id: Option<u32>,
     words: Vec<u32>,
+    split_tokens: Vec<String>,
     clean_up_tokenization_spaces: bool,
 }
 
@@ -76,9 +77,11 @@ impl HfTokenizer {
             templates,
             eos_token_id,
             words: Vec::new(),
+            split_tokens: Vec::new(),
             clean_up_tokenization_spaces: config.clean_up_tokenization_spaces,
         };
         this.words = this.find_words();
+        this.split_tokens = this.find_split_tokens();
         Ok(this)
     }
 
@@ -146,6 +149,25 @@ impl HfTokenizer {
     /// and encode back to themselves, lowest ids (most frequent merges) first.
     pub fn word_token_ids(&self) -> &[u32] {
         &self.words
+    }
+
+    /// Special tokens a prompt may be cut before without changing its ids (see `cache.rs`).
+    pub(crate) fn split_tokens(&self) -> &[String] {
+        &self.split_tokens
+    }
+
+    fn find_split_tokens(&self) -> Vec<String> {
+        let mut tokens: Vec<String> = self
+            .tokenizer
+            .get_added_tokens_decoder()
+            .values()
+            .filter(|t| t.special && !t.normalized && !t.lstrip && !t.single_word)
+            .filter(|t| !t.content.is_empty())
+            .map(|t| t.content.clone())
+            .collect();
+        tokens.sort();
+        tokens.dedup();
+        tokens
     }
 
     pub(crate) fn set_fuel(&mut self, fuel: u64) {

@@ -28,6 +28,7 @@
 //! template cannot loop forever.
 
 pub mod byte;
+mod cache;
 mod config;
 mod error;
 mod hf;
@@ -41,6 +42,7 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 pub use byte::{BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer};
+pub use cache::{CacheOutcome, SegmentCache};
 pub use config::{CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE};
 pub use error::{BoxError, LoadError, Result, TokenizeError};
 pub use hf::{HfTokenizer, TOKENIZER_FILE};
@@ -222,6 +224,49 @@ impl TextTokenizer {
             Kind::Hf(hf) => hf.encode(&text, false),
             Kind::Fallback(b) => Ok(b.encode(&text)),
         }
+    }
+
+    /// [`encode_chat`](Self::encode_chat) with a segment cache: the rendered prompt is cut
+    /// before each split-safe special token and only segments missing from `cache` are
+    /// tokenized (see [`SegmentCache`]). Gives exactly the ids of `encode_chat`. The byte
+    /// fallback is cheap and position-dependent, so it bypasses the cache.
+    pub fn encode_chat_cached(
+        &self,
+        messages: &[Value],
+        opts: &ChatOptions,
+        cache: &SegmentCache,
+    ) -> Result<(Vec<u32>, CacheOutcome)> {
+        let text = self.render_chat(messages, opts)?;
+        let hf = match &self.kind {
+            Kind::Hf(hf) => hf,
+            Kind::Fallback(b) => {
+                let outcome = CacheOutcome {
+                    hit_bytes: 0,
+                    miss_bytes: text.len(),
+                };
+                return Ok((b.encode(&text), outcome));
+            }
+        };
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        let mut outcome = CacheOutcome::default();
+        let mut start = 0;
+        let cuts = cache::cut_points(&text, hf.split_tokens());
+        for end in cuts.into_iter().chain(std::iter::once(text.len())) {
+            let Some(segment) = text.get(start..end) else {
+                continue;
+            };
+            start = end;
+            let key = cache::key_of(segment);
+            if cache.get(key, &mut ids) {
+                outcome.hit_bytes += segment.len();
+            } else {
+                let seg_ids = hf.encode(segment, false)?;
+                cache.put(key, &seg_ids);
+                ids.extend_from_slice(&seg_ids);
+                outcome.miss_bytes += segment.len();
+            }
+        }
+        Ok((ids, outcome))
     }
 
     /// Text of `ids`, special tokens skipped (`skip_special_tokens=true`).

@@ -143,3 +143,57 @@ const TINY_TOKENIZER: &str = r#"{
   "decoder": null,
   "model": {"type": "WordLevel", "unk_token": "<unk>", "vocab": {"<unk>": 0}}
 }"#;
+
+/// The segment cache gives exactly `encode_chat`'s ids on every parity chat, cold and warm, and
+/// a growing conversation only tokenizes its new turn.
+#[test]
+fn cached_chat_encoding_is_exact_and_reuses_history() {
+    let Some(tok) = common::qwen3() else { return };
+    let fx = fixture();
+    let cache = tokenize::SegmentCache::new(1 << 20);
+    for pass in 0..2 {
+        for case in fx["chats"].as_array().unwrap() {
+            let req = &case["request"];
+            let opts = ChatOptions {
+                add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
+                continue_final_message: case["continue_final_message"].as_bool().unwrap(),
+                template_kwargs: case["template_kwargs"].as_object().unwrap().clone(),
+                tools: req.get("tools").cloned(),
+                documents: None,
+            };
+            let messages = req["messages"].as_array().unwrap();
+            let (got, outcome) = tok.encode_chat_cached(messages, &opts, &cache).unwrap();
+            assert_eq!(got, ids(&case["ids"]), "{} (pass {pass})", case["name"]);
+            if pass == 1 {
+                assert_eq!(
+                    outcome.miss_bytes, 0,
+                    "{}: warm pass must hit",
+                    case["name"]
+                );
+            }
+        }
+    }
+    let mut messages =
+        vec![serde_json::json!({"role": "system", "content": "You are terse. ".repeat(50)})];
+    let opts = ChatOptions::default();
+    let mut last_total = 0;
+    for turn in 0..4 {
+        messages
+            .push(serde_json::json!({"role": "user", "content": format!("question {turn}: why?")}));
+        let (got, outcome) = tok.encode_chat_cached(&messages, &opts, &cache).unwrap();
+        assert_eq!(got, tok.encode_chat(&messages, &opts).unwrap());
+        if turn > 0 {
+            assert!(
+                outcome.hit_bytes >= last_total / 2,
+                "turn {turn}: {outcome:?}"
+            );
+            assert!(
+                outcome.miss_bytes < 120,
+                "turn {turn} re-tokenized history: {outcome:?}"
+            );
+        }
+        last_total = outcome.hit_bytes + outcome.miss_bytes;
+        messages
+            .push(serde_json::json!({"role": "assistant", "content": format!("because {turn}")}));
+    }
+}
