@@ -5,6 +5,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 scripts/bootstrap.sh
+# The routing path with real components: Envoy → kvgate-epp → three kvgate-sim engines.
+e2e/smoke/run.sh
 if command -v cargo-nextest >/dev/null 2>&1; then
   # nextest does not run doctests; the crates document with ```text blocks only.
   cargo nextest run --workspace --all-targets --no-fail-fast

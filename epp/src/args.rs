@@ -11,6 +11,15 @@ pub enum Discovery {
     File,
 }
 
+/// How the pool's engines fold a request's `cache_salt` into their block hashes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineArg {
+    /// vLLM (and kvgate-sim): the salt is the first block's extra key.
+    Vllm,
+    /// SGLang: the salt seeds the hash chain.
+    Sglang,
+}
+
 /// kvgate endpoint picker (Envoy ext_proc, Gateway API Inference Extension).
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "kvgate-epp", version, about, long_about = None)]
@@ -39,6 +48,25 @@ pub struct Args {
     /// Serve ext_proc without TLS (TLS with a generated self-signed certificate is the default).
     #[arg(long)]
     pub plaintext: bool,
+    /// PEM certificate chain for ext_proc TLS (with --key); a self-signed one is generated without.
+    #[arg(
+        long,
+        env = "KVGATE_TLS_CERT",
+        requires = "key",
+        conflicts_with = "plaintext"
+    )]
+    pub cert: Option<PathBuf>,
+    /// PEM private key for ext_proc TLS (with --cert).
+    #[arg(
+        long,
+        env = "KVGATE_TLS_KEY",
+        requires = "cert",
+        conflicts_with = "plaintext"
+    )]
+    pub key: Option<PathBuf>,
+    /// On shutdown, how long open ext_proc streams may finish before they are cut, in seconds.
+    #[arg(long, default_value_t = 30)]
+    pub drain_timeout_seconds: u64,
     /// NATS server URL for KV events and load samples.
     #[arg(long, env = "KVGATE_NATS_URL", default_value = "nats://127.0.0.1:4222")]
     pub nats_url: String,
@@ -51,6 +79,16 @@ pub struct Args {
     /// Largest request body accepted, in bytes.
     #[arg(long, default_value_t = 16 << 20)]
     pub max_body_bytes: usize,
+    /// The pool's served model: requests without `model` are keyed as this one, and the
+    /// tokenizer directory belongs to it.
+    #[arg(long, env = "KVGATE_MODEL", default_value = "default")]
+    pub model: String,
+    /// The engines' KV block size in tokens (vLLM `--block-size`).
+    #[arg(long, env = "KVGATE_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: u32,
+    /// The engines' kind, for how `cache_salt` is keyed.
+    #[arg(long, value_enum, default_value_t = EngineArg::Vllm)]
+    pub engine: EngineArg,
 }
 
 impl Args {
@@ -66,6 +104,9 @@ impl Args {
             .any(|(i, p)| ports.iter().skip(i + 1).any(|q| q == p))
         {
             return Err(format!("ports must differ, got {ports:?}"));
+        }
+        if self.block_size == 0 {
+            return Err("--block-size must be positive".into());
         }
         if self.max_body_bytes == 0 {
             return Err("--max-body-bytes must be positive".into());
@@ -101,5 +142,17 @@ mod tests {
             Args::try_parse_from(["kvgate-epp"]).is_err(),
             "the pool name is required"
         );
+    }
+
+    #[test]
+    fn tls_files_come_in_pairs_and_exclude_plaintext() {
+        let base = ["kvgate-epp", "--pool-name", "p"];
+        let with = |extra: &[&str]| Args::try_parse_from(base.iter().chain(extra));
+        let a = with(&["--cert", "c.pem", "--key", "k.pem"]).unwrap();
+        assert_eq!(a.cert.as_deref(), Some(std::path::Path::new("c.pem")));
+        assert!(with(&["--cert", "c.pem"]).is_err(), "--cert needs --key");
+        assert!(with(&["--key", "k.pem"]).is_err(), "--key needs --cert");
+        assert!(with(&["--cert", "c", "--key", "k", "--plaintext"]).is_err());
+        assert_eq!(with(&[]).unwrap().drain_timeout_seconds, 30);
     }
 }

@@ -3,19 +3,26 @@
 //! looks its block keys up in the global KV index fed by NATS, and returns the endpoint that
 //! minimises the tier-credited prefill cost plus load (DESIGN.md § Index and scoring).
 //!
-//! This build parses and validates the configuration only; the server lands with issue #5.
+//! Modules: [`extproc`] (the protocol state machine), [`server`] (gRPC, TLS, health), [`routing`]
+//! (parse → key → schedule), [`discovery`] (endpoints), [`ingest`] (KV events), [`app`] (wiring).
 
+pub mod app;
 mod args;
+pub mod discovery;
+pub mod extproc;
+pub mod ingest;
+pub mod routing;
+pub mod server;
 
-pub use args::{Args, Discovery};
+pub use args::{Args, Discovery, EngineArg};
 
-/// Validates the configuration, then runs the EPP.
-pub fn run(args: Args) -> Result<(), cli_support::StartError> {
-    args.validate().map_err(cli_support::StartError::Config)?;
-    Err(cli_support::NotInThisBuild {
-        component: "kvgate-epp",
-        capability: "the ext_proc endpoint picker",
-        issue: 5,
-    }
-    .into())
+/// Runs the EPP until SIGINT/SIGTERM (see [`app`]).
+pub fn run(args: Args) -> Result<(), app::AppError> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    app::run(args)
 }

@@ -1,0 +1,266 @@
+//! Composition: builds the routing state from the arguments, runs discovery, KV-event
+//! ingestion and index maintenance beside the ext_proc server, and shuts down on SIGINT/SIGTERM.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use kv_events::key::SaltStyle;
+use kv_index::{IndexConfig, KvIndex};
+use scheduler::{InflightTracker, LoadBook, Scheduler, SchedulerConfig};
+
+use crate::args::{Args, Discovery, EngineArg};
+use crate::discovery::Datastore;
+use crate::discovery::apply::{NodeIds, Targets, apply};
+use crate::discovery::file::{FileWatch, parse};
+use crate::ingest::zmq_direct::{DirectSource, Ingester};
+use crate::routing::keys::{Keyer, ModelTokenizer};
+use crate::routing::picker::Picker;
+use crate::server::{Readiness, ServerConfig};
+
+/// How often the endpoints file is checked and speculative entries expire.
+const TICK: Duration = Duration::from_millis(500);
+/// Bytes of token ids the multi-turn tokenization cache holds per model.
+const TOKEN_CACHE_BYTES: usize = 256 << 20;
+
+/// Why the EPP stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    /// Bad configuration.
+    #[error(transparent)]
+    Start(#[from] cli_support::StartError),
+    /// The server failed.
+    #[error("ext_proc server: {0}")]
+    Serve(String),
+    /// The runtime could not start.
+    #[error("runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+impl cli_support::ExitStatus for AppError {
+    fn exit_code(&self) -> u8 {
+        match self {
+            AppError::Start(_) => cli_support::EXIT_CONFIG,
+            AppError::Serve(_) | AppError::Runtime(_) => 1,
+        }
+    }
+}
+
+fn config_error(msg: impl Into<String>) -> AppError {
+    AppError::Start(cli_support::StartError::Config(msg.into()))
+}
+
+/// Everything shared between the picker and the background work.
+struct State {
+    index: Arc<KvIndex>,
+    inflight: Arc<InflightTracker>,
+    loads: Arc<LoadBook>,
+    datastore: Arc<Datastore>,
+    scheduler_for_upkeep: Scheduler,
+    nodes: NodeIds,
+}
+
+/// Runs the EPP until a shutdown signal.
+pub fn run(args: Args) -> Result<(), AppError> {
+    args.validate().map_err(config_error)?;
+    if args.discovery == Discovery::Kubernetes {
+        return Err(AppError::Start(
+            cli_support::NotInThisBuild {
+                component: "kvgate-epp",
+                capability: "Kubernetes discovery (InferencePool reflectors); use --discovery file",
+                issue: 5,
+            }
+            .into(),
+        ));
+    }
+    let scheduler_config = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| config_error(format!("{}: {e}", path.display())))?;
+            SchedulerConfig::from_yaml(&text)
+                .map_err(|e| config_error(format!("{}: {e}", path.display())))?
+        }
+        None => SchedulerConfig::default(),
+    };
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let scheduler = Scheduler::new(scheduler_config.clone(), seed)
+        .map_err(|e| config_error(format!("scheduler: {e}")))?;
+    let upkeep = Scheduler::new(scheduler_config, seed)
+        .map_err(|e| config_error(format!("scheduler: {e}")))?;
+    let salt_style = match args.engine {
+        EngineArg::Vllm => SaltStyle::VllmExtraKey,
+        EngineArg::Sglang => SaltStyle::Seed,
+    };
+    let mut keyer = Keyer::new(args.block_size as usize, salt_style, args.model.clone());
+    match &args.tokenizer_dir {
+        Some(dir) => {
+            let tok = tokenize::TextTokenizer::from_dir(dir)
+                .map_err(|e| config_error(format!("tokenizer: {e}")))?;
+            keyer = keyer.with_model(
+                args.model.clone(),
+                ModelTokenizer::new(tok, TOKEN_CACHE_BYTES),
+            );
+        }
+        None => tracing::warn!(
+            "no --tokenizer-dir: keys are approximate (byte fallback); prefix routing only matches \
+             engines using the same fallback"
+        ),
+    }
+    let index = Arc::new(
+        KvIndex::new(IndexConfig::default()).map_err(|e| config_error(format!("index: {e}")))?,
+    );
+    let state = Arc::new(State {
+        index: Arc::clone(&index),
+        inflight: Arc::new(InflightTracker::new()),
+        loads: Arc::new(LoadBook::new()),
+        datastore: Arc::new(Datastore::new()),
+        scheduler_for_upkeep: upkeep,
+        nodes: NodeIds::default(),
+    });
+    let picker = Arc::new(Picker::new(
+        keyer,
+        scheduler,
+        Arc::clone(&state.index),
+        Arc::clone(&state.inflight),
+        Arc::clone(&state.loads),
+        Arc::clone(&state.datastore),
+    ));
+    let readiness = Readiness::new();
+    let stop = Arc::new(AtomicBool::new(false));
+    let background = {
+        let (state, stop, readiness, picker) = (
+            Arc::clone(&state),
+            Arc::clone(&stop),
+            readiness.clone(),
+            Arc::clone(&picker),
+        );
+        let file = args.endpoints_file.clone().unwrap_or_default();
+        let (model, block_size) = (args.model.clone(), args.block_size);
+        std::thread::Builder::new()
+            .name("discovery".into())
+            .spawn(move || {
+                background_loop(&state, &picker, file, &model, block_size, &readiness, &stop)
+            })
+            .map_err(AppError::Runtime)?
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(AppError::Runtime)?;
+    let served = runtime.block_on(crate::server::serve(
+        ServerConfig::from_args(&args),
+        picker,
+        readiness,
+        shutdown_signal(),
+    ));
+    stop.store(true, Ordering::Relaxed);
+    let _ = background.join();
+    served.map_err(|e| AppError::Serve(e.to_string()))
+}
+
+/// Discovery, ingestion and expiry, on one thread.
+fn background_loop(
+    state: &State,
+    picker: &Picker,
+    file: PathBuf,
+    model: &str,
+    block_size: u32,
+    readiness: &Readiness,
+    stop: &AtomicBool,
+) {
+    let mut watch = FileWatch::new(file);
+    let mut ingester = Ingester::new(Arc::clone(&state.index));
+    let mut warned = false;
+    while !stop.load(Ordering::Relaxed) {
+        match watch.poll() {
+            Ok(Some(text)) => match parse(watch.path(), &text) {
+                Ok(parsed) => {
+                    let sources = direct_sources(state, &parsed, model, block_size);
+                    let targets = Targets {
+                        datastore: &state.datastore,
+                        index: &state.index,
+                        inflight: &state.inflight,
+                        loads: &state.loads,
+                        scheduler: &state.scheduler_for_upkeep,
+                        nodes: &state.nodes,
+                    };
+                    let (count, removed) = apply(&targets, parsed);
+                    ingester.sync(sources);
+                    tracing::info!(
+                        endpoints = count,
+                        removed,
+                        subscriptions = ingester.len(),
+                        "endpoints loaded from {}",
+                        watch.path().display()
+                    );
+                    readiness.set(count > 0);
+                    warned = false;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "endpoints file refused; keeping the previous endpoints")
+                }
+            },
+            Ok(None) => {}
+            Err(e) if !warned => {
+                tracing::error!(error = %e, "endpoints file unreadable; keeping the previous endpoints");
+                warned = true;
+            }
+            Err(_) => {}
+        }
+        state
+            .scheduler_for_upkeep
+            .expire(&state.index, picker.now());
+        std::thread::sleep(TICK);
+    }
+}
+
+fn direct_sources(
+    state: &State,
+    parsed: &[crate::discovery::file::Parsed],
+    model: &str,
+    block_size: u32,
+) -> Vec<DirectSource> {
+    parsed
+        .iter()
+        .filter_map(|p| {
+            let publisher = p.events.clone()?;
+            Some(DirectSource {
+                endpoint: state.datastore.id_for(&p.key),
+                model: p
+                    .models
+                    .iter()
+                    .next()
+                    .cloned()
+                    .unwrap_or_else(|| model.to_owned()),
+                block_size,
+                publisher,
+                replay: p.replay.clone(),
+            })
+        })
+        .collect()
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    tracing::info!("shutdown signal received; draining ext_proc streams");
+}

@@ -1,0 +1,757 @@
+//! The per-stream state machine: one `ProcessingRequest` in, the `ProcessingResponse`s it calls
+//! for out.
+//!
+//! Request side, by Envoy's request body mode:
+//! - no body (headers with `end_of_stream`, or body mode `NONE`): pick on the headers message;
+//! - `FULL_DUPLEX_STREAMED`: hold the headers reply, gather the body (bounded) until
+//!   `end_of_stream` or trailers, pick, then send the headers reply (the pick), the body as
+//!   ≤ 62,000-byte `streamed_response` chunks, and a trailers reply if trailers ended the body;
+//! - `BUFFERED` / `BUFFERED_PARTIAL`: empty headers reply, pick on the one body message and answer
+//!   it with the pick (and the replacement body, if any).
+//!
+//! Response side: headers and trailers are passed on unchanged, body chunks too (echoed as
+//! `streamed_response` in `FULL_DUPLEX_STREAMED`), while the ticket hears `Headers`, `FirstByte`,
+//! `Usage` and one terminal `End` / `Aborted`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::Metadata;
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeadersResponse, HttpBody, HttpHeaders,
+    ProcessingRequest, ProcessingResponse, ProtocolConfiguration, StreamedBodyResponse,
+    TrailersResponse, body_mutation::Mutation, processing_request::Request,
+    processing_response::Response,
+};
+
+use super::DESTINATION_ENDPOINT_HEADER;
+use super::body::{BodyBuffer, TooLarge, streamed_chunks};
+use super::headers::{RequestHead, find, mutation, set, value_of};
+use super::immediate::Refusal;
+use super::metadata::{destination, served_endpoint, subset_hint};
+use super::router::{Decision, ResponseEvent, Router, RoutingInput};
+use super::usage::{Limits, Usage, UsageScanner};
+
+/// How Envoy sends a body to the processor (`ProcessingMode.BodySendMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyMode {
+    /// The body is not sent.
+    None,
+    /// Chunks, each answered before the next (not supported for requests: the pick must be made
+    /// before the headers go upstream).
+    Streamed,
+    /// The whole body in one message.
+    Buffered,
+    /// Up to Envoy's buffer limit in one message.
+    BufferedPartial,
+    /// Chunks as they arrive, answered in any grouping (what GIE deployments use).
+    FullDuplexStreamed,
+    /// De-framed gRPC messages (not supported).
+    Grpc,
+}
+
+impl BodyMode {
+    fn from_envoy(value: i32) -> Option<Self> {
+        Some(match BodySendMode::try_from(value).ok()? {
+            BodySendMode::None => Self::None,
+            BodySendMode::Streamed => Self::Streamed,
+            BodySendMode::Buffered => Self::Buffered,
+            BodySendMode::BufferedPartial => Self::BufferedPartial,
+            BodySendMode::FullDuplexStreamed => Self::FullDuplexStreamed,
+            BodySendMode::Grpc => Self::Grpc,
+        })
+    }
+}
+
+/// Per-stream limits and assumptions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamConfig {
+    /// Largest request body accepted; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// Request body mode assumed when Envoy does not say (`protocol_config` absent).
+    pub request_body_mode: BodyMode,
+    /// Response body mode assumed when Envoy does not say.
+    pub response_body_mode: BodyMode,
+    /// Longest SSE line scanned for `usage`.
+    pub sse_line_limit: usize,
+    /// Tail of a JSON response body kept to find `usage`.
+    pub json_tail_limit: usize,
+}
+
+impl Default for StreamConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 16 << 20,
+            request_body_mode: BodyMode::FullDuplexStreamed,
+            response_body_mode: BodyMode::None,
+            sse_line_limit: 64 << 10,
+            json_tail_limit: 64 << 10,
+        }
+    }
+}
+
+/// A message Envoy should not have sent at this point; the stream is ended with an error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StreamError {
+    /// The message does not fit the stream's phase.
+    #[error("unexpected {message} while {phase}")]
+    Unexpected {
+        /// What arrived.
+        message: &'static str,
+        /// Where the stream was.
+        phase: &'static str,
+    },
+}
+
+impl StreamError {
+    /// Bounded label for metrics.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Self::Unexpected { .. } => "unexpected_message",
+        }
+    }
+}
+
+/// A routed request's handle: reports events to the router and guarantees exactly one terminal
+/// event, `Aborted` when dropped open.
+struct Ticket {
+    id: u64,
+    router: Option<Arc<dyn Router>>,
+}
+
+impl Ticket {
+    fn report(&self, event: ResponseEvent) {
+        debug_assert!(!event.is_terminal());
+        if let Some(r) = &self.router {
+            r.on_response(self.id, event);
+        }
+    }
+
+    fn close(mut self, event: ResponseEvent) {
+        debug_assert!(event.is_terminal());
+        if let Some(r) = self.router.take() {
+            r.on_response(self.id, event);
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if let Some(r) = self.router.take() {
+            r.on_response(self.id, ResponseEvent::Aborted);
+        }
+    }
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket")
+            .field("id", &self.id)
+            .field("open", &self.router.is_some())
+            .finish()
+    }
+}
+
+/// Where the request side stands.
+#[derive(Debug)]
+enum RequestPhase {
+    /// Nothing seen yet.
+    AwaitingHeaders,
+    /// Headers seen, body being gathered before the pick.
+    Collecting {
+        head: RequestHead,
+        body: BodyBuffer,
+        /// `FULL_DUPLEX_STREAMED` (headers reply held) rather than buffered.
+        duplex: bool,
+    },
+    /// Picked and released upstream.
+    Forwarded,
+    /// Answered by the EPP itself.
+    Refused,
+}
+
+impl RequestPhase {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::AwaitingHeaders => "awaiting request headers",
+            Self::Collecting { .. } => "collecting the request body",
+            Self::Forwarded => "forwarded",
+            Self::Refused => "refused",
+        }
+    }
+}
+
+/// What the response side of a routed request has shown so far.
+#[derive(Debug)]
+enum ResponsePhase {
+    AwaitingHeaders,
+    Body {
+        scanner: UsageScanner,
+        first_byte_seen: bool,
+    },
+}
+
+/// An open ticket and its response progress.
+#[derive(Debug)]
+struct Observer {
+    ticket: Ticket,
+    phase: ResponsePhase,
+}
+
+/// How the pick is delivered, by request shape and mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Delivery {
+    /// On the request headers reply (no body).
+    Headers,
+    /// Headers reply, re-chunked body, and a trailers reply when trailers ended the body.
+    Duplex { trailers: bool },
+    /// On the (single) request body reply.
+    Buffered,
+}
+
+/// One ext_proc `Process` stream.
+pub struct ExtProcStream {
+    router: Arc<dyn Router>,
+    config: Arc<StreamConfig>,
+    request_body_mode: Option<BodyMode>,
+    response_body_mode: Option<BodyMode>,
+    subset: Option<Vec<String>>,
+    request_id: Option<String>,
+    request: RequestPhase,
+    response: Option<Observer>,
+}
+
+impl std::fmt::Debug for ExtProcStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExtProcStream")
+            .field("request", &self.request)
+            .field("response", &self.response)
+            .field("request_id", &self.request_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExtProcStream {
+    /// A stream that routes through `router`.
+    pub fn new(router: Arc<dyn Router>, config: Arc<StreamConfig>) -> Self {
+        Self {
+            router,
+            config,
+            request_body_mode: None,
+            response_body_mode: None,
+            subset: None,
+            request_id: None,
+            request: RequestPhase::AwaitingHeaders,
+            response: None,
+        }
+    }
+
+    /// The request id, once the request headers were seen (generated when the client sent none).
+    pub fn request_id(&self) -> Option<&str> {
+        self.request_id.as_deref()
+    }
+
+    /// Whether a routed request is still waiting for its response to finish.
+    pub fn has_open_ticket(&self) -> bool {
+        self.response.is_some()
+    }
+
+    /// Handles one message from Envoy; returns the replies to send, in order.
+    pub fn on_message(
+        &mut self,
+        msg: ProcessingRequest,
+    ) -> Result<Vec<ProcessingResponse>, StreamError> {
+        if self.request_body_mode.is_none() {
+            self.learn_modes(msg.protocol_config.as_ref());
+        }
+        let metadata = msg.metadata_context.as_ref();
+        let out = match msg.request {
+            None => Ok(Vec::new()),
+            Some(Request::RequestHeaders(h)) => self.on_request_headers(h, metadata),
+            Some(Request::RequestBody(b)) => self.on_request_body(b, metadata),
+            Some(Request::RequestTrailers(_)) => self.on_request_trailers(),
+            Some(Request::ResponseHeaders(h)) => Ok(self.on_response_headers(&h, metadata)),
+            Some(Request::ResponseBody(b)) => Ok(self.on_response_body(b)),
+            Some(Request::ResponseTrailers(_)) => Ok(self.on_response_trailers()),
+        }?;
+        // In observability mode Envoy ignores replies.
+        Ok(if msg.observability_mode {
+            Vec::new()
+        } else {
+            out
+        })
+    }
+
+    /// The stream ended (Envoy closed it, or it broke). Closes an open ticket: `End` when the
+    /// response headers were seen and Envoy sends no response body (mode `NONE`), so the stream's
+    /// end is all there is to see; `Aborted` otherwise.
+    pub fn finish(mut self) {
+        if let Some(obs) = self.response.take() {
+            let complete = matches!(obs.phase, ResponsePhase::Body { .. })
+                && self.response_body_mode == Some(BodyMode::None);
+            let event = if complete {
+                ResponseEvent::End
+            } else {
+                ResponseEvent::Aborted
+            };
+            tracing::debug!(?event, "ext_proc stream closed with the response open");
+            obs.ticket.close(event);
+        }
+    }
+
+    fn learn_modes(&mut self, pc: Option<&ProtocolConfiguration>) {
+        let req = pc.and_then(|p| BodyMode::from_envoy(p.request_body_mode));
+        let resp = pc.and_then(|p| BodyMode::from_envoy(p.response_body_mode));
+        self.request_body_mode = Some(req.unwrap_or(self.config.request_body_mode));
+        self.response_body_mode = Some(resp.unwrap_or(self.config.response_body_mode));
+    }
+
+    fn request_mode(&self) -> BodyMode {
+        self.request_body_mode
+            .unwrap_or(self.config.request_body_mode)
+    }
+
+    fn response_mode(&self) -> BodyMode {
+        self.response_body_mode
+            .unwrap_or(self.config.response_body_mode)
+    }
+
+    fn unexpected(&self, message: &'static str) -> StreamError {
+        StreamError::Unexpected {
+            message,
+            phase: self.request.name(),
+        }
+    }
+
+    fn note_subset(&mut self, metadata: Option<&Metadata>) {
+        if let Some(hint) = subset_hint(metadata) {
+            self.subset = Some(hint);
+        }
+    }
+
+    fn on_request_headers(
+        &mut self,
+        h: HttpHeaders,
+        metadata: Option<&Metadata>,
+    ) -> Result<Vec<ProcessingResponse>, StreamError> {
+        if !matches!(self.request, RequestPhase::AwaitingHeaders) {
+            return Err(self.unexpected("request_headers"));
+        }
+        self.note_subset(metadata);
+        let head = RequestHead::parse(&h.headers);
+        tracing::Span::current().record("request_id", head.request_id.as_str());
+        self.request_id = Some(head.request_id.clone());
+        let mode = self.request_mode();
+        if h.end_of_stream || mode == BodyMode::None {
+            return Ok(self.route(&head, None, Delivery::Headers));
+        }
+        let (duplex, reply) = match mode {
+            BodyMode::FullDuplexStreamed => (true, None),
+            BodyMode::Buffered | BodyMode::BufferedPartial => (false, Some(continue_headers())),
+            BodyMode::None | BodyMode::Streamed | BodyMode::Grpc => {
+                tracing::error!(
+                    ?mode,
+                    "unsupported ext_proc request_body_mode; configure FULL_DUPLEX_STREAMED or BUFFERED"
+                );
+                return Ok(self.refuse(Refusal {
+                    status: 500,
+                    reason: "unsupported-body-mode",
+                    message: format!(
+                        "the gateway sends request bodies to the endpoint picker in {mode:?} mode; \
+                         it needs FULL_DUPLEX_STREAMED or BUFFERED"
+                    ),
+                }));
+            }
+        };
+        match BodyBuffer::new(self.config.max_body_bytes, head.content_length) {
+            Ok(body) => {
+                self.request = RequestPhase::Collecting { head, body, duplex };
+                Ok(reply.into_iter().collect())
+            }
+            Err(too_large) => Ok(self.refuse(too_large_refusal(too_large))),
+        }
+    }
+
+    fn on_request_body(
+        &mut self,
+        b: HttpBody,
+        metadata: Option<&Metadata>,
+    ) -> Result<Vec<ProcessingResponse>, StreamError> {
+        self.note_subset(metadata);
+        let RequestPhase::Collecting { body, duplex, .. } = &mut self.request else {
+            return match self.request {
+                RequestPhase::Refused => Ok(Vec::new()),
+                _ => Err(self.unexpected("request_body")),
+            };
+        };
+        if let Err(too_large) = body.push(&b.body) {
+            return Ok(self.refuse(too_large_refusal(too_large)));
+        }
+        let duplex = *duplex;
+        if duplex && !b.end_of_stream {
+            return Ok(Vec::new());
+        }
+        if !duplex && !b.end_of_stream && self.request_mode() == BodyMode::BufferedPartial {
+            return Ok(self.refuse(Refusal {
+                status: 413,
+                reason: "payload-too-large",
+                message: "the request body is larger than the gateway's buffer".into(),
+            }));
+        }
+        let delivery = if duplex {
+            Delivery::Duplex { trailers: false }
+        } else {
+            Delivery::Buffered
+        };
+        Ok(self.complete_body(delivery))
+    }
+
+    fn on_request_trailers(&mut self) -> Result<Vec<ProcessingResponse>, StreamError> {
+        match &self.request {
+            RequestPhase::Collecting { duplex: true, .. } => {
+                Ok(self.complete_body(Delivery::Duplex { trailers: true }))
+            }
+            RequestPhase::Forwarded => Ok(vec![trailers_reply(Response::RequestTrailers)]),
+            RequestPhase::Refused => Ok(Vec::new()),
+            RequestPhase::AwaitingHeaders | RequestPhase::Collecting { .. } => {
+                Err(self.unexpected("request_trailers"))
+            }
+        }
+    }
+
+    /// The body is complete: route on it.
+    fn complete_body(&mut self, delivery: Delivery) -> Vec<ProcessingResponse> {
+        match std::mem::replace(&mut self.request, RequestPhase::Forwarded) {
+            RequestPhase::Collecting { head, body, .. } => {
+                self.route(&head, Some(body.into_inner()), delivery)
+            }
+            other => {
+                // Callers only get here from `Collecting`; keep the phase as it was.
+                self.request = other;
+                Vec::new()
+            }
+        }
+    }
+
+    fn refuse(&mut self, refusal: Refusal) -> Vec<ProcessingResponse> {
+        tracing::debug!(
+            status = refusal.status,
+            reason = refusal.reason,
+            message = %refusal.message,
+            "request answered by the EPP"
+        );
+        self.request = RequestPhase::Refused;
+        vec![refusal.into_response(self.request_id.as_deref())]
+    }
+
+    fn route(
+        &mut self,
+        head: &RequestHead,
+        body: Option<Vec<u8>>,
+        delivery: Delivery,
+    ) -> Vec<ProcessingResponse> {
+        if self.subset.as_ref().is_some_and(Vec::is_empty) {
+            return self.refuse(Refusal {
+                status: 503,
+                reason: "empty-subset",
+                message: "no endpoint is allowed by the gateway's subset hint".into(),
+            });
+        }
+        let input = RoutingInput {
+            method: &head.method,
+            path: &head.path,
+            headers: &head.headers,
+            body: body.as_deref(),
+            subset: self.subset.clone(),
+            request_id: Some(&head.request_id),
+        };
+        let decision = match self.router.route(input) {
+            Ok(d) => d,
+            Err(rejection) => return self.refuse(Refusal::from(&rejection)),
+        };
+        let ticket = Ticket {
+            id: decision.ticket,
+            router: Some(Arc::clone(&self.router)),
+        };
+        if let Err(problem) = validate(&decision) {
+            tracing::error!(%problem, endpoints = ?decision.endpoints, "router returned an unusable decision");
+            drop(ticket);
+            return self.refuse(Refusal {
+                status: 503,
+                reason: "invalid-decision",
+                message: "the endpoint picker could not pick an endpoint".into(),
+            });
+        }
+        let Decision {
+            endpoints,
+            body: new_body,
+            add_headers,
+            ..
+        } = decision;
+        let endpoints = endpoints.join(",");
+        tracing::Span::current().record("endpoint", endpoints.as_str());
+        tracing::debug!(endpoint = %endpoints, "picked");
+
+        let body_changed = new_body.is_some();
+        let forwarded = new_body.or(body);
+        let mut set_headers = vec![set(DESTINATION_ENDPOINT_HEADER, &endpoints)];
+        set_headers.extend(
+            add_headers
+                .iter()
+                .map(|(k, v)| set(&k.to_ascii_lowercase(), v)),
+        );
+        if head.request_id_generated {
+            set_headers.push(set(super::REQUEST_ID_HEADER, &head.request_id));
+        }
+        let content_length = match delivery {
+            Delivery::Duplex { .. } => forwarded.as_ref().map(Vec::len),
+            Delivery::Buffered if body_changed => forwarded.as_ref().map(Vec::len),
+            Delivery::Buffered | Delivery::Headers => None,
+        };
+        if let Some(len) = content_length {
+            set_headers.push(set("content-length", &len.to_string()));
+        }
+        let common = CommonResponse {
+            header_mutation: Some(mutation(set_headers, &head.strip)),
+            clear_route_cache: true,
+            ..Default::default()
+        };
+        let dynamic_metadata = Some(destination(&endpoints));
+
+        self.request = RequestPhase::Forwarded;
+        self.response = Some(Observer {
+            ticket,
+            phase: ResponsePhase::AwaitingHeaders,
+        });
+
+        match delivery {
+            Delivery::Headers => vec![ProcessingResponse {
+                response: Some(Response::RequestHeaders(HeadersResponse {
+                    response: Some(common),
+                })),
+                dynamic_metadata,
+                ..Default::default()
+            }],
+            Delivery::Buffered => {
+                let common = CommonResponse {
+                    body_mutation: body_changed.then(|| BodyMutation {
+                        mutation: forwarded.map(Mutation::Body),
+                    }),
+                    ..common
+                };
+                vec![ProcessingResponse {
+                    response: Some(Response::RequestBody(BodyResponse {
+                        response: Some(common),
+                    })),
+                    dynamic_metadata,
+                    ..Default::default()
+                }]
+            }
+            Delivery::Duplex { trailers } => {
+                let body = forwarded.unwrap_or_default();
+                let mut out = Vec::with_capacity(body.len() / super::MAX_CHUNK_BYTES + 3);
+                out.push(ProcessingResponse {
+                    response: Some(Response::RequestHeaders(HeadersResponse {
+                        response: Some(common),
+                    })),
+                    dynamic_metadata,
+                    ..Default::default()
+                });
+                out.extend(
+                    streamed_chunks(&body, !trailers).map(|c| streamed(c, Response::RequestBody)),
+                );
+                if trailers {
+                    out.push(trailers_reply(Response::RequestTrailers));
+                }
+                out
+            }
+        }
+    }
+
+    fn on_response_headers(
+        &mut self,
+        h: &HttpHeaders,
+        metadata: Option<&Metadata>,
+    ) -> Vec<ProcessingResponse> {
+        let reply = ProcessingResponse {
+            response: Some(Response::ResponseHeaders(HeadersResponse {
+                response: Some(CommonResponse::default()),
+            })),
+            ..Default::default()
+        };
+        let Some(obs) = self.response.as_mut() else {
+            return vec![reply];
+        };
+        if !matches!(obs.phase, ResponsePhase::AwaitingHeaders) {
+            return vec![reply];
+        }
+        let status = find(&h.headers, ":status")
+            .and_then(|v| value_of(v).trim().parse().ok())
+            .unwrap_or(0);
+        let served = served_endpoint(metadata);
+        obs.ticket.report(ResponseEvent::Headers { status, served });
+        if h.end_of_stream {
+            self.close(ResponseEvent::End);
+            return vec![reply];
+        }
+        let content_type = find(&h.headers, "content-type").map(value_of);
+        let content_encoding = find(&h.headers, "content-encoding").map(value_of);
+        let limits = Limits {
+            line: self.config.sse_line_limit,
+            tail: self.config.json_tail_limit,
+        };
+        obs.phase = ResponsePhase::Body {
+            scanner: UsageScanner::for_response(
+                content_type.as_deref(),
+                content_encoding.as_deref(),
+                limits,
+            ),
+            first_byte_seen: false,
+        };
+        vec![reply]
+    }
+
+    fn on_response_body(&mut self, b: HttpBody) -> Vec<ProcessingResponse> {
+        let mut ended = false;
+        if let Some(Observer {
+            ticket,
+            phase:
+                ResponsePhase::Body {
+                    scanner,
+                    first_byte_seen,
+                },
+        }) = self.response.as_mut()
+        {
+            if !*first_byte_seen && !b.body.is_empty() {
+                *first_byte_seen = true;
+                ticket.report(ResponseEvent::FirstByte);
+            }
+            let mut usage = scanner.feed(&b.body);
+            if b.end_of_stream {
+                usage = scanner.finish().or(usage);
+                ended = true;
+            }
+            if let Some(u) = usage {
+                ticket.report(usage_event(u));
+            }
+        }
+        if ended {
+            self.close(ResponseEvent::End);
+        }
+        let reply = if self.response_mode() == BodyMode::FullDuplexStreamed {
+            streamed(
+                StreamedBodyResponse {
+                    body: b.body,
+                    end_of_stream: b.end_of_stream,
+                    ..Default::default()
+                },
+                Response::ResponseBody,
+            )
+        } else {
+            ProcessingResponse {
+                response: Some(Response::ResponseBody(BodyResponse {
+                    response: Some(CommonResponse::default()),
+                })),
+                ..Default::default()
+            }
+        };
+        vec![reply]
+    }
+
+    fn on_response_trailers(&mut self) -> Vec<ProcessingResponse> {
+        if let Some(Observer {
+            ticket,
+            phase: ResponsePhase::Body { scanner, .. },
+        }) = self.response.as_mut()
+            && let Some(u) = scanner.finish()
+        {
+            ticket.report(usage_event(u));
+        }
+        self.close(ResponseEvent::End);
+        vec![trailers_reply(Response::ResponseTrailers)]
+    }
+
+    fn close(&mut self, event: ResponseEvent) {
+        if let Some(obs) = self.response.take() {
+            obs.ticket.close(event);
+        }
+    }
+}
+
+fn validate(decision: &Decision) -> Result<(), String> {
+    if decision.endpoints.is_empty() {
+        return Err("no endpoint".into());
+    }
+    if let Some(bad) = decision
+        .endpoints
+        .iter()
+        .find(|e| e.parse::<SocketAddr>().is_err())
+    {
+        return Err(format!("{bad:?} is not ip:port"));
+    }
+    if let Some((bad, _)) = decision
+        .add_headers
+        .iter()
+        .find(|(k, _)| k.is_empty() || k.starts_with(':'))
+    {
+        return Err(format!("header {bad:?} cannot be set"));
+    }
+    Ok(())
+}
+
+fn too_large_refusal(t: TooLarge) -> Refusal {
+    Refusal {
+        status: 413,
+        reason: "payload-too-large",
+        message: format!(
+            "request body of at least {} bytes is larger than the limit of {} bytes",
+            t.seen, t.limit
+        ),
+    }
+}
+
+fn usage_event(u: Usage) -> ResponseEvent {
+    ResponseEvent::Usage {
+        prompt_tokens: u.prompt_tokens,
+        completion_tokens: u.completion_tokens,
+        cached_tokens: u.cached_tokens,
+    }
+}
+
+fn continue_headers() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestHeaders(HeadersResponse {
+            response: Some(CommonResponse::default()),
+        })),
+        ..Default::default()
+    }
+}
+
+fn trailers_reply(which: fn(TrailersResponse) -> Response) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(which(TrailersResponse::default())),
+        ..Default::default()
+    }
+}
+
+fn streamed(
+    chunk: StreamedBodyResponse,
+    which: fn(BodyResponse) -> Response,
+) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(which(BodyResponse {
+            response: Some(CommonResponse {
+                body_mutation: Some(BodyMutation {
+                    mutation: Some(Mutation::StreamedResponse(chunk)),
+                }),
+                ..Default::default()
+            }),
+        })),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+#[path = "stream_tests.rs"]
+mod tests;

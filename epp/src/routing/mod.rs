@@ -1,0 +1,5 @@
+//! The routing brain behind the ext_proc layer: request parsing, keying, endpoints and the pick.
+
+pub mod keys;
+pub mod picker;
+pub mod request;

@@ -1,0 +1,323 @@
+//! Serving: ext_proc over gRPC on :9002 (TLS by default), gRPC health on :9003, graceful
+//! shutdown that drains open streams within a bound.
+//!
+//! [`serve`] is the whole thing; [`bind`] then [`Bound::serve`] splits it so callers (and tests)
+//! learn the bound addresses first. Configuration problems (unreadable certificate files, a port
+//! in use) are reported before anything is served.
+
+mod ext_proc;
+mod health;
+mod tls;
+
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Server, ServerTlsConfig};
+
+pub use ext_proc::ExtProcService;
+pub use health::{
+    EXT_PROC_SERVICE, INFERENCE_EXTENSION_SERVICE, LIVENESS_SERVICE, READINESS_SERVICE, Readiness,
+};
+pub use tls::{TlsError, TlsMaterial};
+
+use crate::extproc::{Router, StreamConfig};
+
+/// After cutting streams, how long connections get to close before serving returns anyway.
+const CUT_GRACE: Duration = Duration::from_secs(1);
+
+/// How the ext_proc listener is secured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TlsMode {
+    /// No TLS.
+    Plaintext,
+    /// A self-signed certificate generated at start for these names (GIE's default).
+    SelfSigned {
+        /// DNS names or IP addresses in the certificate.
+        names: Vec<String>,
+    },
+    /// A certificate chain and key from PEM files.
+    Files {
+        /// Certificate chain.
+        cert: PathBuf,
+        /// Private key.
+        key: PathBuf,
+    },
+}
+
+/// Everything the servers need.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// ext_proc listen address (`0.0.0.0:9002`).
+    pub ext_proc_addr: SocketAddr,
+    /// gRPC health listen address (`0.0.0.0:9003`), always plaintext.
+    pub health_addr: SocketAddr,
+    /// ext_proc transport security.
+    pub tls: TlsMode,
+    /// Per-stream behaviour.
+    pub stream: StreamConfig,
+    /// How long open streams may run after shutdown begins before they are cut.
+    pub drain_timeout: Duration,
+}
+
+impl ServerConfig {
+    /// The configuration the command line asks for.
+    pub fn from_args(args: &crate::Args) -> Self {
+        let any = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+        let tls = match (&args.cert, &args.key, args.plaintext) {
+            (_, _, true) => TlsMode::Plaintext,
+            (Some(cert), Some(key), false) => TlsMode::Files {
+                cert: cert.clone(),
+                key: key.clone(),
+            },
+            _ => TlsMode::SelfSigned {
+                names: default_names(),
+            },
+        };
+        Self {
+            ext_proc_addr: SocketAddr::new(any, args.grpc_port),
+            health_addr: SocketAddr::new(any, args.grpc_health_port),
+            tls,
+            stream: StreamConfig {
+                max_body_bytes: args.max_body_bytes,
+                ..StreamConfig::default()
+            },
+            drain_timeout: Duration::from_secs(args.drain_timeout_seconds),
+        }
+    }
+}
+
+/// Names in the generated certificate: `localhost`, and the pod's hostname when known.
+fn default_names() -> Vec<String> {
+    let mut names = vec!["localhost".to_owned()];
+    if let Ok(host) = std::env::var("HOSTNAME") {
+        let host = host.trim();
+        if !host.is_empty() && host != "localhost" {
+            names.push(host.to_owned());
+        }
+    }
+    names
+}
+
+/// Why serving failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// TLS material could not be had.
+    #[error("TLS setup failed")]
+    Tls(#[from] TlsError),
+    /// The TLS material was refused by the TLS stack.
+    #[error("TLS configuration rejected")]
+    TlsConfig(#[source] tonic::transport::Error),
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A server stopped with an error.
+    #[error("gRPC server failed")]
+    Transport(#[source] tonic::transport::Error),
+}
+
+impl ServeError {
+    /// Bounded label for metrics.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Self::Tls(_) => "tls",
+            Self::TlsConfig(_) => "tls_config",
+            Self::Bind { .. } => "bind",
+            Self::Transport(_) => "transport",
+        }
+    }
+}
+
+/// Listeners bound and TLS ready; nothing served yet.
+#[derive(Debug)]
+pub struct Bound {
+    ext_proc: TcpListener,
+    health: TcpListener,
+    tls: Option<TlsMaterial>,
+    config: ServerConfig,
+}
+
+/// Prepares TLS, then binds both listeners.
+pub async fn bind(config: ServerConfig) -> Result<Bound, ServeError> {
+    let tls = match &config.tls {
+        TlsMode::Plaintext => None,
+        TlsMode::SelfSigned { names } => Some(TlsMaterial::self_signed(names)?),
+        TlsMode::Files { cert, key } => Some(TlsMaterial::from_files(cert, key)?),
+    };
+    if let Some(material) = &tls {
+        // Validate now, so a bad key is reported before any port is taken.
+        Server::builder()
+            .tls_config(ServerTlsConfig::new().identity(material.identity()))
+            .map_err(ServeError::TlsConfig)?;
+    }
+    let listen = |addr: SocketAddr| async move {
+        TcpListener::bind(addr)
+            .await
+            .map_err(|source| ServeError::Bind { addr, source })
+    };
+    let ext_proc = listen(config.ext_proc_addr).await?;
+    let health = listen(config.health_addr).await?;
+    Ok(Bound {
+        ext_proc,
+        health,
+        tls,
+        config,
+    })
+}
+
+/// Binds and serves until `shutdown` resolves, then drains (see [`Bound::serve`]).
+pub async fn serve(
+    config: ServerConfig,
+    router: Arc<dyn Router>,
+    readiness: Readiness,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    bind(config).await?.serve(router, readiness, shutdown).await
+}
+
+impl Bound {
+    /// The ext_proc address actually bound.
+    pub fn ext_proc_addr(&self) -> Option<SocketAddr> {
+        self.ext_proc.local_addr().ok()
+    }
+
+    /// The health address actually bound.
+    pub fn health_addr(&self) -> Option<SocketAddr> {
+        self.health.local_addr().ok()
+    }
+
+    /// The certificate served on ext_proc, when TLS is on (clients that verify it need it).
+    pub fn certificate_pem(&self) -> Option<&str> {
+        self.tls.as_ref().map(|t| t.cert_pem.as_str())
+    }
+
+    /// Serves ext_proc and health until `shutdown` resolves. Then readiness turns NOT_SERVING,
+    /// listeners stop accepting, HTTP/2 connections get GOAWAY, and open streams may finish for up
+    /// to the drain timeout before they are cut (their tickets then hear `Aborted`).
+    pub async fn serve(
+        self,
+        router: Arc<dyn Router>,
+        readiness: Readiness,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ServeError> {
+        let Self {
+            ext_proc,
+            health,
+            tls,
+            config,
+        } = self;
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (cut_tx, cut_rx) = watch::channel(false);
+        let stopped = |mut rx: watch::Receiver<bool>| async move {
+            // Ends when told to stop, or when the sender is gone.
+            let _ = rx.wait_for(|stop| *stop).await;
+        };
+
+        let (reporter, health_service) = tonic_health::server::health_reporter();
+        let health_follow = tokio::spawn(health::follow(reporter, readiness, stop_rx.clone()));
+        let health_server = Server::builder()
+            .add_service(health_service)
+            .serve_with_incoming_shutdown(TcpIncoming::from(health), stopped(stop_rx.clone()));
+
+        let mut builder = Server::builder();
+        if let Some(material) = &tls {
+            builder = builder
+                .tls_config(ServerTlsConfig::new().identity(material.identity()))
+                .map_err(ServeError::TlsConfig)?;
+        }
+        let ext_proc_server = builder
+            .add_service(
+                ExtProcService::new(router, config.stream.clone())
+                    .with_cut(cut_rx)
+                    .into_server(),
+            )
+            .serve_with_incoming_shutdown(
+                TcpIncoming::from(ext_proc).with_nodelay(Some(true)),
+                stopped(stop_rx),
+            );
+        tracing::info!(
+            ext_proc = %config.ext_proc_addr,
+            health = %config.health_addr,
+            tls = tls.is_some(),
+            "serving"
+        );
+
+        let servers = async { tokio::try_join!(ext_proc_server, health_server) };
+        tokio::pin!(servers);
+        tokio::select! {
+            result = &mut servers => {
+                health_follow.abort();
+                return result.map(|_| ()).map_err(ServeError::Transport);
+            }
+            () = shutdown => {}
+        }
+        tracing::info!(drain_timeout = ?config.drain_timeout, "shutting down: draining ext_proc streams");
+        stop_tx.send_replace(true);
+        let result = match tokio::time::timeout(config.drain_timeout, &mut servers).await {
+            Ok(result) => result.map(|_| ()).map_err(ServeError::Transport),
+            Err(_) => {
+                tracing::warn!("drain timeout reached; cutting the remaining streams");
+                cut_tx.send_replace(true);
+                match tokio::time::timeout(CUT_GRACE, &mut servers).await {
+                    Ok(result) => result.map(|_| ()).map_err(ServeError::Transport),
+                    Err(_) => Ok(()),
+                }
+            }
+        };
+        health_follow.abort();
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser as _;
+
+    fn config(extra: &[&str]) -> ServerConfig {
+        let base = ["kvgate-epp", "--pool-name", "p"];
+        ServerConfig::from_args(&crate::Args::try_parse_from(base.iter().chain(extra)).unwrap())
+    }
+
+    #[test]
+    fn tls_mode_follows_the_flags() {
+        assert!(
+            matches!(config(&[]).tls, TlsMode::SelfSigned { names } if names.contains(&"localhost".to_owned()))
+        );
+        assert_eq!(config(&["--plaintext"]).tls, TlsMode::Plaintext);
+        assert_eq!(
+            config(&["--cert", "c.pem", "--key", "k.pem"]).tls,
+            TlsMode::Files {
+                cert: "c.pem".into(),
+                key: "k.pem".into()
+            }
+        );
+    }
+
+    #[test]
+    fn ports_limits_and_drain_come_from_the_flags() {
+        let c = config(&[
+            "--grpc-port",
+            "7002",
+            "--max-body-bytes",
+            "1024",
+            "--drain-timeout-seconds",
+            "5",
+        ]);
+        assert_eq!(c.ext_proc_addr.port(), 7002);
+        assert_eq!(c.health_addr.port(), 9003);
+        assert_eq!(c.stream.max_body_bytes, 1024);
+        assert_eq!(c.drain_timeout, Duration::from_secs(5));
+    }
+}
