@@ -59,4 +59,11 @@ mismatch=$(grep '^ACCESS' "$run/envoy.log" | awk '{split($2,u,"="); split($3,p,"
 code=$(curl -s -o "$run/bad.json" -D "$run/badhdr.txt" -w '%{http_code}' "http://127.0.0.1:$listen/v1/chat/completions" -H 'content-type: application/json' -d '{not json')
 [ "$code" = 400 ] || fail "malformed body: HTTP $code, expected 400"
 grep -qi '^x-kvgate-drop-reason' "$run/badhdr.txt" || fail "400 without x-kvgate-drop-reason"
+m=$(curl -s "http://127.0.0.1:$metrics/metrics")
+routed=$(echo "$m" | awk '/^kvgate_epp_requests_routed_total/ {print $2}')
+ratio=$(echo "$m" | awk '/^kvgate_epp_prefix_hit_ratio/ {print $2}')
+events=$(echo "$m" | awk '/^kvgate_epp_kv_events_total/ {print $2}')
+echo "EPP metrics: routed=$routed prefix_hit_ratio=$ratio kv_events=$events"
+[ "${routed:-0}" -ge 6 ] || fail "metrics: routed=$routed"
+python3 -c "import sys; sys.exit(0 if float('${ratio:-0}') > 0.5 else 1)" || fail "metrics: prefix hit ratio $ratio"
 echo "SMOKE OK (logs in $run)"

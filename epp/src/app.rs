@@ -130,6 +130,14 @@ pub fn run(args: Args) -> Result<(), AppError> {
     ));
     let readiness = Readiness::new();
     let stop = Arc::new(AtomicBool::new(false));
+    let ingester = Ingester::new(Arc::clone(&state.index));
+    let metrics_sources = crate::metrics::Sources {
+        pool: args.pool_name.clone(),
+        picker: picker.stats(),
+        ingest: Some(ingester.stats()),
+        index: Arc::clone(&state.index),
+        datastore: Arc::clone(&state.datastore),
+    };
     let background = {
         let (state, stop, readiness, picker) = (
             Arc::clone(&state),
@@ -142,7 +150,9 @@ pub fn run(args: Args) -> Result<(), AppError> {
         std::thread::Builder::new()
             .name("discovery".into())
             .spawn(move || {
-                background_loop(&state, &picker, file, &model, block_size, &readiness, &stop)
+                background_loop(
+                    &state, &picker, ingester, file, &model, block_size, &readiness, &stop,
+                )
             })
             .map_err(AppError::Runtime)?
     };
@@ -150,6 +160,14 @@ pub fn run(args: Args) -> Result<(), AppError> {
         .enable_all()
         .build()
         .map_err(AppError::Runtime)?;
+    let metrics_addr = std::net::SocketAddr::from(([0, 0, 0, 0], args.metrics_port));
+    runtime.spawn(async move {
+        if let Err(e) =
+            crate::metrics::serve(metrics_addr, metrics_sources, std::future::pending()).await
+        {
+            tracing::error!(addr = %metrics_addr, error = %e, "metrics server failed");
+        }
+    });
     let served = runtime.block_on(crate::server::serve(
         ServerConfig::from_args(&args),
         picker,
@@ -162,9 +180,11 @@ pub fn run(args: Args) -> Result<(), AppError> {
 }
 
 /// Discovery, ingestion and expiry, on one thread.
+#[allow(clippy::too_many_arguments)]
 fn background_loop(
     state: &State,
     picker: &Picker,
+    mut ingester: Ingester,
     file: PathBuf,
     model: &str,
     block_size: u32,
@@ -172,7 +192,6 @@ fn background_loop(
     stop: &AtomicBool,
 ) {
     let mut watch = FileWatch::new(file);
-    let mut ingester = Ingester::new(Arc::clone(&state.index));
     let mut warned = false;
     while !stop.load(Ordering::Relaxed) {
         match watch.poll() {

@@ -1,0 +1,228 @@
+//! `GET /metrics` on :9090: kvgate's own `kvgate_epp_*` metrics plus the GIE names existing
+//! dashboards use. Everything is read from counters the components already keep; labels are
+//! bounded (pool name only).
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kv_index::KvIndex;
+
+use crate::discovery::Datastore;
+use crate::ingest::zmq_direct::IngestStats;
+use crate::routing::picker::PickerStats;
+
+/// What the exposition reads.
+#[derive(Debug, Clone)]
+pub struct Sources {
+    /// Pool name, the only label.
+    pub pool: String,
+    /// Routing counters.
+    pub picker: Arc<PickerStats>,
+    /// Direct-ZMQ ingestion counters.
+    pub ingest: Option<Arc<IngestStats>>,
+    /// The index (size).
+    pub index: Arc<KvIndex>,
+    /// Endpoints (ready count).
+    pub datastore: Arc<Datastore>,
+}
+
+fn get(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}
+
+/// Renders the Prometheus text exposition.
+pub fn render(s: &Sources) -> String {
+    let pool = s.pool.replace(['\\', '"', '\n'], "_");
+    let l = format!("pool=\"{pool}\"");
+    let mut out = String::with_capacity(4096);
+    let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{l}}} {value}"
+        );
+    };
+    let p = &s.picker;
+    let routed = get(&p.routed);
+    metric(
+        "kvgate_epp_requests_routed_total",
+        "counter",
+        "Requests given an endpoint.",
+        routed as f64,
+    );
+    metric(
+        "kvgate_epp_keys_exact_total",
+        "counter",
+        "Requests keyed with the model's real tokenizer.",
+        get(&p.exact_keys) as f64,
+    );
+    metric(
+        "kvgate_epp_keys_approximate_total",
+        "counter",
+        "Requests keyed with the byte fallback (no tokenizer configured).",
+        get(&p.approximate_keys) as f64,
+    );
+    metric(
+        "kvgate_epp_prompt_blocks_total",
+        "counter",
+        "Prompt blocks looked up in the index.",
+        get(&p.prompt_blocks) as f64,
+    );
+    metric(
+        "kvgate_epp_prompt_blocks_hit_total",
+        "counter",
+        "Prompt blocks the chosen endpoint already held (credited tiers).",
+        get(&p.gpu_hit_blocks) as f64,
+    );
+    metric(
+        "kvgate_epp_decision_seconds_total",
+        "counter",
+        "Time spent deciding (parse, tokenize, look up, score), summed.",
+        get(&p.decision_nanos) as f64 / 1e9,
+    );
+    let stats = s.index.stats();
+    metric(
+        "kvgate_epp_index_blocks",
+        "gauge",
+        "Distinct blocks in the KV index.",
+        stats.blocks as f64,
+    );
+    metric(
+        "kvgate_epp_index_residencies",
+        "gauge",
+        "(block, holder) residencies in the KV index.",
+        stats.residencies as f64,
+    );
+    metric(
+        "kvgate_epp_index_evicted_blocks_total",
+        "counter",
+        "Blocks evicted from the index to stay within capacity.",
+        stats.evicted_blocks as f64,
+    );
+    if let Some(i) = &s.ingest {
+        for (name, help, v) in [
+            (
+                "kvgate_epp_kv_event_batches_total",
+                "Engine event batches applied.",
+                &i.batches,
+            ),
+            (
+                "kvgate_epp_kv_events_total",
+                "Normalised KV events applied to the index.",
+                &i.events,
+            ),
+            (
+                "kvgate_epp_kv_event_gaps_total",
+                "Sequence gaps detected in engine streams.",
+                &i.gaps,
+            ),
+            (
+                "kvgate_epp_kv_event_replays_total",
+                "Gaps repaired through the engine's replay socket.",
+                &i.replays,
+            ),
+            (
+                "kvgate_epp_kv_event_resyncs_total",
+                "Gaps that dropped a source's entries.",
+                &i.resyncs,
+            ),
+            (
+                "kvgate_epp_engine_restarts_total",
+                "Engine restarts seen in event streams.",
+                &i.restarts,
+            ),
+            (
+                "kvgate_epp_kv_event_malformed_total",
+                "Malformed frames or payloads skipped.",
+                &i.malformed,
+            ),
+        ] {
+            metric(name, "counter", help, get(v) as f64);
+        }
+    }
+    let endpoints = s.datastore.snapshot();
+    let ready = endpoints.iter().filter(|e| e.ready).count();
+    metric(
+        "kvgate_epp_endpoints",
+        "gauge",
+        "Endpoints discovered.",
+        endpoints.len() as f64,
+    );
+    metric(
+        "inference_pool_ready_pods",
+        "gauge",
+        "GIE: ready endpoints in the pool.",
+        ready as f64,
+    );
+    let blocks = get(&p.prompt_blocks);
+    metric(
+        "kvgate_epp_prefix_hit_ratio",
+        "gauge",
+        "Share of looked-up prompt blocks the chosen endpoint held, since start.",
+        if blocks == 0 {
+            0.0
+        } else {
+            get(&p.gpu_hit_blocks) as f64 / blocks as f64
+        },
+    );
+    out
+}
+
+/// Serves `/metrics` on `addr` until `shutdown`.
+pub async fn serve(
+    addr: std::net::SocketAddr,
+    sources: Sources,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::routing::get as route_get;
+    let app = axum::Router::new().route(
+        "/metrics",
+        route_get(move || {
+            let s = sources.clone();
+            async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "text/plain; version=0.0.4",
+                    )],
+                    render(&s),
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "serving /metrics");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_gie_and_own_names() {
+        let picker = Arc::new(PickerStats::default());
+        picker.routed.store(3, Ordering::Relaxed);
+        picker.prompt_blocks.store(10, Ordering::Relaxed);
+        picker.gpu_hit_blocks.store(4, Ordering::Relaxed);
+        let s = Sources {
+            pool: "p\"1".into(),
+            picker,
+            ingest: Some(Arc::default()),
+            index: Arc::new(KvIndex::new(kv_index::IndexConfig::default()).unwrap()),
+            datastore: Arc::new(Datastore::new()),
+        };
+        let text = render(&s);
+        for want in [
+            "kvgate_epp_requests_routed_total{pool=\"p_1\"} 3",
+            "kvgate_epp_prefix_hit_ratio{pool=\"p_1\"} 0.4",
+            "inference_pool_ready_pods{pool=\"p_1\"} 0",
+            "kvgate_epp_kv_event_gaps_total{pool=\"p_1\"} 0",
+            "# TYPE kvgate_epp_index_residencies gauge",
+        ] {
+            assert!(text.contains(want), "missing {want}\n{text}");
+        }
+    }
+}
