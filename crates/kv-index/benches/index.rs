@@ -9,10 +9,14 @@
 //! | `KVGATE_BENCH_PROMPT` | 512 | keys per looked-up prompt |
 //! | `KVGATE_BENCH_PREFIXES` | 1024 | shared system-prompt prefixes (64 keys each) |
 //! | `KVGATE_BENCH_LOOKUPS` | 20000 | timed lookups per phase |
-//! | `KVGATE_BENCH_WRITER_RATE` | 1000000 | block events/s applied by the background writer |
+//! | `KVGATE_BENCH_WRITER_RATE` | 1000000 | block events/s the background writer is paced at |
+//! | `KVGATE_BENCH_WRITER_SECS` | 2 | least seconds of lookups under the writer |
 //! | `KVGATE_BENCH_NAIVE` | 1 | also run the naive model (0: skip) |
 //!
-//! Run: `cargo bench -p kvgate-kv-index --bench index`.
+//! Memory is counted by a wrapping global allocator: bytes live after building the index
+//! minus bytes live before, per resident (block, holder) entry.
+//!
+//! Run: `cargo bench -p kvgate-kv-index --bench index` (`-- apply` or `-- lookup` for one).
 
 #![allow(
     clippy::unwrap_used,
@@ -25,15 +29,21 @@ mod common;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
+use std::alloc::System;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Rng, env_usize, mix, percentiles, report, rss_bytes};
+use cap::Cap;
+use common::{Rng, env_usize, mix, percentiles, report};
 use kv_events::{BlockKey, KvEvent, Tier};
 use kv_index::{EndpointId, Holder, IndexConfig, KvIndex};
 
 const SHARED_LEN: usize = 64;
+
+/// Counts live heap bytes (for the memory figure).
+#[global_allocator]
+static ALLOC: Cap<System> = Cap::new(System, usize::MAX);
 
 fn ep(i: usize) -> EndpointId {
     EndpointId::new(i as u32).unwrap()
@@ -157,18 +167,21 @@ fn population(
     Population { chains }
 }
 
+/// Times lookups of random resident prompts: at least `n`, and for at least `min` wall time.
 fn time_lookups(
     idx: &KvIndex,
     pop: &Population,
     cands: &[EndpointId],
     n: usize,
+    min: Duration,
     seed: u64,
 ) -> Vec<Duration> {
     let mut rng = Rng::new(seed);
-    let mut out = Vec::with_capacity(pop.chains.len().min(1));
+    let mut out = Vec::with_capacity(cands.len());
     let mut samples = Vec::with_capacity(n);
     let mut sink = 0u64;
-    for _ in 0..n {
+    let start = Instant::now();
+    while samples.len() < n || start.elapsed() < min {
         let (_, keys) = &pop.chains[rng.below(pop.chains.len() as u64) as usize];
         out.clear();
         let t = Instant::now();
@@ -190,7 +203,7 @@ fn bench_lookup() {
     let prefixes = env_usize("KVGATE_BENCH_PREFIXES", 1024);
     let lookups = env_usize("KVGATE_BENCH_LOOKUPS", 20_000);
     let pop = population(endpoints, entries, prompt, prefixes, 2);
-    let rss0 = rss_bytes();
+    let mem0 = ALLOC.allocated();
     let idx = Arc::new(
         KvIndex::new(IndexConfig {
             shards: 16,
@@ -204,75 +217,96 @@ fn bench_lookup() {
     }
     let build = t.elapsed();
     let st = idx.stats();
-    let rss = rss_bytes().saturating_sub(rss0);
+    let mem = ALLOC.allocated().saturating_sub(mem0);
+    let per_entry = mem as f64 / st.residencies as f64;
     report(&format!(
-        "build: {} residencies, {} blocks in {:.2} s; memory: RSS delta {} MB = {:.1} B/residency, tables {:.1} B/residency",
+        "build: {} residencies, {} blocks in {:.2} s; memory: allocator {} MB live = {:.1} B/residency (tables' own estimate {:.1} B)",
         st.residencies,
         st.blocks,
         build.as_secs_f64(),
-        rss >> 20,
-        rss as f64 / st.residencies as f64,
+        mem >> 20,
+        per_entry,
         st.heap_bytes as f64 / st.residencies as f64
     ));
     let cands: Vec<EndpointId> = (0..endpoints).map(ep).collect();
-    time_lookups(&idx, &pop, &cands, lookups / 10, 3); // warm-up
-    let mut s = time_lookups(&idx, &pop, &cands, lookups, 4);
+    time_lookups(&idx, &pop, &cands, lookups / 10, Duration::ZERO, 3); // warm-up
+    let mut s = time_lookups(&idx, &pop, &cands, lookups, Duration::ZERO, 4);
     let (p50, p99, max) = percentiles(&mut s);
     let p50_idle = p50;
     report(&format!(
-        "lookup: {prompt}-key resident prompt vs {endpoints} endpoints, {} residencies: p50 {:.2} us, p99 {:.2} us, max {:.1} us",
+        "lookup: {prompt}-key resident prompt vs {endpoints} endpoints, {} residencies: p50 {:.2} us, p99 {:.2} us, max {:.1} us ({} lookups)",
         st.residencies,
         p50 as f64 / 1e3,
         p99 as f64 / 1e3,
-        max as f64 / 1e3
+        max as f64 / 1e3,
+        s.len()
     ));
 
-    // The same lookups while a writer applies `rate` block events/s on another thread.
+    // The same lookups while a writer thread applies `rate` block events/s: paced by the
+    // clock (it sleeps whenever ahead, so it catches up in short bursts, as an event thread
+    // would; it never spins), its achieved rate reported.
     let rate = env_usize("KVGATE_BENCH_WRITER_RATE", 1_000_000) as u64;
+    let secs = env_usize("KVGATE_BENCH_WRITER_SECS", 2) as u64;
     let stop = Arc::new(AtomicBool::new(false));
     let applied = Arc::new(AtomicU64::new(0));
+    let work = apply_workload(endpoints, 4_000_000, 5);
     let writer = {
         let (idx, stop, applied) = (Arc::clone(&idx), Arc::clone(&stop), Arc::clone(&applied));
-        let work = apply_workload(endpoints, 4_000_000, 5);
         std::thread::spawn(move || {
             let start = Instant::now();
             let mut done = 0u64;
-            for (h, evs) in work.iter().cycle() {
-                if stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                // Pace: never run ahead of `rate`.
-                // Sleep rather than spin so the reader keeps its core.
+            'run: for (h, evs) in work.iter().cycle() {
                 let due = Duration::from_nanos(done * 1_000_000_000 / rate.max(1));
-                if let Some(ahead) = due.checked_sub(start.elapsed()) {
-                    std::thread::sleep(ahead);
+                loop {
+                    if stop.load(Ordering::Relaxed) {
+                        break 'run;
+                    }
+                    match due.checked_sub(start.elapsed()) {
+                        Some(ahead) if !ahead.is_zero() => std::thread::sleep(ahead),
+                        _ => break,
+                    }
                 }
                 idx.apply(*h, evs);
                 done += evs.iter().map(KvEvent::key_count).sum::<usize>() as u64;
+                applied.store(done, Ordering::Relaxed);
             }
-            applied.store(done, Ordering::Relaxed);
             start.elapsed()
         })
     };
-    let mut s = time_lookups(&idx, &pop, &cands, lookups, 6);
+    // Let the writer reach its pace, then time.
+    std::thread::sleep(Duration::from_millis(100));
+    let before = (applied.load(Ordering::Relaxed), Instant::now());
+    let mut s = time_lookups(&idx, &pop, &cands, lookups, Duration::from_secs(secs), 6);
+    let during = applied.load(Ordering::Relaxed) - before.0;
+    let achieved = during as f64 / before.1.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
-    let wall = writer.join().unwrap();
+    writer.join().unwrap();
     let (p50, p99, max) = percentiles(&mut s);
     report(&format!(
-        "lookup under writer ({:.2} M events/s achieved): p50 {:.2} us, p99 {:.2} us, max {:.1} us",
-        applied.load(Ordering::Relaxed) as f64 / wall.as_secs_f64() / 1e6,
+        "lookup under writer (paced at {:.2} M events/s, achieved {:.2} M/s = {:.0}%{}): p50 {:.2} us, p99 {:.2} us, max {:.1} us ({} lookups)",
+        rate as f64 / 1e6,
+        achieved / 1e6,
+        100.0 * achieved / rate as f64,
+        if achieved < 0.95 * rate as f64 {
+            ", BELOW TARGET RATE"
+        } else {
+            ""
+        },
         p50 as f64 / 1e3,
         p99 as f64 / 1e3,
-        max as f64 / 1e3
+        max as f64 / 1e3,
+        s.len()
     ));
 
     if env_usize("KVGATE_BENCH_NAIVE", 1) != 0 {
+        let mem0 = ALLOC.allocated();
         let t = Instant::now();
         let mut model = support::Model::default();
         for (e, keys) in &pop.chains {
             model.apply(Holder::Endpoint(ep(*e)), &[stored(keys.clone())]);
         }
         let build_naive = t.elapsed();
+        let mem_naive = ALLOC.allocated().saturating_sub(mem0);
         let mut rng = Rng::new(4);
         let mut ns = Vec::new();
         for _ in 0..(lookups / 20).max(10) {
@@ -283,9 +317,12 @@ fn bench_lookup() {
             assert!(r > 0);
         }
         let (np50, np99, _) = percentiles(&mut ns);
+        let naive_entry = mem_naive as f64 / st.residencies as f64;
         report(&format!(
-            "naive model: build {:.2} s, lookup p50 {:.1} us, p99 {:.1} us (naive/index p50 = {:.1}x)",
+            "naive model: build {:.2} s, memory {:.1} B/residency (naive/index = {:.1}x), lookup p50 {:.1} us, p99 {:.1} us (naive/index p50 = {:.1}x)",
             build_naive.as_secs_f64(),
+            naive_entry,
+            naive_entry / per_entry,
             np50 as f64 / 1e3,
             np99 as f64 / 1e3,
             np50 as f64 / p50_idle.max(1) as f64

@@ -19,8 +19,8 @@ impl IdOutOfRange {
 }
 
 /// An endpoint: one engine rank that serves requests (pod × dp rank). Ids are chosen by the
-/// caller (the EPP's endpoint table) and should be dense: lookups keep a per-thread table
-/// indexed by the largest candidate id.
+/// caller (the EPP's endpoint table); dense ids are fastest (a lookup's per-thread scratch is
+/// then indexed by id; with sparse ids it is a small hash table sized by the candidate count).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EndpointId(u32);
 

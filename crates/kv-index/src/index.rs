@@ -1,27 +1,54 @@
-//! The concurrent index: shards by key hash, each behind a `std::sync::RwLock`.
+//! The concurrent index: shards by key hash, each behind a `std::sync::RwLock`, with an
+//! advisory per-shard count of waiting writers so neither side holds a lock long while the
+//! other waits.
 //!
-//! Writers (one per source stream) bucket an event batch by shard and take each shard's write
-//! lock once per batch; readers take each shard's read lock at most once per lookup and hold
-//! it until the walk ends. Writers never hold two locks, so readers collecting several read
-//! locks cannot deadlock with them.
+//! - Writers (one per source stream) bucket an event batch by shard and apply each shard's
+//!   ops in chunks of at most [`WRITE_BATCH`] per exclusive hold. Shards that are free are
+//!   written at once; the others are announced together and taken as they come free.
+//! - A lookup takes a shard's shared lock the first time one of its keys needs it and keeps
+//!   it for the next keys, but after every probe batch it lets go of each shard a writer is
+//!   waiting for, and defers to announced writers before taking a shard. So a writer waits
+//!   about one probe batch per `apply`, and a lookup that collides with an `apply` waits until
+//!   the writer has passed the shards it needs (one chunk each).
+//! - Nobody blocks while holding a lock: a writer holds one shard at a time and waits for none
+//!   while holding it; a reader that must wait for a shard first releases every shard a writer
+//!   waits for, and spins (then yields) rather than sleeping on the lock. Hence no deadlock,
+//!   and a writer is never starved by back-to-back lookups (`tests/concurrency.rs`).
 
 use std::cell::RefCell;
-use std::sync::{PoisonError, RwLock, RwLockReadGuard};
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
+use std::time::{Duration, Instant};
 
+use kv_events::fasthash::U64Map;
 use kv_events::{BlockKey, KvEvent, Tier};
 
-use crate::block::{ALL_TIERS, Block, SPEC, tier_bit};
 use crate::config::{ConfigError, IndexConfig};
 use crate::id::{EndpointId, Holder, NodeId};
-use crate::matcher::Matcher;
+use crate::matcher::{Matcher, NodeOf};
 use crate::overlap::Overlap;
 use crate::shard::{Op, Shard};
+use crate::table::{ALL_TIERS, Bits, Holders, SPEC, Table, tier_bit};
 use crate::time::Millis;
 
-const NO_NODE: u32 = u32::MAX;
-
-/// Keys probed together in a lookup.
-const BATCH: usize = 8;
+/// Ops applied per exclusive hold of a shard (bounds how long a lookup can wait on a writer).
+const WRITE_BATCH: usize = 64;
+/// Source-list keys cleared per exclusive hold.
+const CLEAR_BATCH: usize = 256;
+/// Keys in a lookup's first probe batch; later batches double up to [`MAX_BATCH`]. Each
+/// batch's table probes are issued together so their cache misses overlap.
+const FIRST_BATCH: usize = 8;
+const MAX_BATCH: usize = 128;
+/// How long a waiting thread spins before it starts yielding its core (on an oversubscribed
+/// machine the thread it waits for may need this core to run).
+const SPIN_FOR: Duration = Duration::from_micros(20);
+/// How long a lookup defers to writers that announced they want a shard (a safety valve
+/// against writers taking turns forever; a writer takes an announced shard within one probe
+/// batch of every lookup holding it).
+const DEFER_FOR: Duration = Duration::from_millis(2);
+const NOT_FOUND: usize = usize::MAX;
+/// What a batch loads for a key whose shard is not held (cannot happen; keeps types simple).
+static ZERO: u64 = 0;
 
 /// Counters describing the index's contents.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -40,9 +67,13 @@ pub struct IndexStats {
 #[derive(Debug)]
 pub struct KvIndex {
     shards: Box<[RwLock<Shard>]>,
+    /// Per shard: writers waiting for its exclusive lock (advisory; lookups yield to them).
+    waiting: Box<[AtomicU32]>,
+    /// Sum of `waiting`, so lookups check one word when nobody waits.
+    any_waiting: AtomicU32,
     shift: u32,
-    /// Indexed by endpoint id: its node's raw id, or `NO_NODE`.
-    nodes: RwLock<Vec<u32>>,
+    /// Endpoint → node raw id.
+    nodes: RwLock<U64Map<u32, u32>>,
 }
 
 thread_local! {
@@ -50,8 +81,146 @@ thread_local! {
     static OPS: RefCell<Vec<Vec<Op>>> = const { RefCell::new(Vec::new()) };
 }
 
-fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    l.read().unwrap_or_else(PoisonError::into_inner)
+/// Waiting for a lock: spin (the holder is running and its hold is short) and only after
+/// [`SPIN_FOR`] yield the core (the holder may have been descheduled).
+struct Backoff {
+    round: u32,
+    start: Option<Instant>,
+}
+
+impl Backoff {
+    fn new() -> Self {
+        Self {
+            round: 0,
+            start: None,
+        }
+    }
+
+    /// Time since the first wait.
+    fn waited(&mut self) -> Duration {
+        self.start.get_or_insert_with(Instant::now).elapsed()
+    }
+
+    fn wait(&mut self) {
+        self.round = self.round.wrapping_add(1);
+        // Check the clock every 64 rounds only.
+        if self.round % 64 == 1 && self.waited() > SPIN_FOR {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// The shared locks one lookup holds.
+struct Reader<'a> {
+    index: &'a KvIndex,
+    guards: Vec<Option<RwLockReadGuard<'a, Shard>>>,
+    /// How many of `guards` are taken.
+    held: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn new(index: &'a KvIndex) -> Self {
+        let mut guards = Vec::with_capacity(index.shards.len());
+        guards.resize_with(index.shards.len(), || None);
+        Self {
+            index,
+            guards,
+            held: 0,
+        }
+    }
+
+    /// Takes the shared locks of every shard `keys` live in (waiting for one may release
+    /// others to a waiting writer: then go round again).
+    fn hold(&mut self, keys: &[BlockKey]) {
+        loop {
+            let mut waited = false;
+            for &k in keys {
+                let i = self.index.shard_of(k);
+                if matches!(self.guards.get(i), Some(None)) {
+                    waited |= self.take(i);
+                }
+            }
+            if !waited {
+                return;
+            }
+        }
+    }
+
+    /// Takes shard `i`'s shared lock; returns whether it had to wait (and so may have released
+    /// others).
+    fn take(&mut self, i: usize) -> bool {
+        let (g, waited) = self.acquire(i);
+        if let Some(slot) = self.guards.get_mut(i) {
+            match (slot.is_some(), g.is_some()) {
+                (false, true) => self.held += 1,
+                (true, false) => self.held -= 1,
+                _ => {}
+            }
+            *slot = g;
+        }
+        waited
+    }
+
+    /// Whether every shard's lock is held.
+    fn all_held(&self) -> bool {
+        self.held == self.guards.len()
+    }
+
+    /// Shard `i`, if its lock is held.
+    fn held(&self, i: usize) -> Option<&Shard> {
+        self.guards.get(i)?.as_deref()
+    }
+
+    /// Shard `i`'s shared lock, and whether the wait may have released other shards.
+    fn acquire(&mut self, i: usize) -> (Option<RwLockReadGuard<'a, Shard>>, bool) {
+        let (Some(lock), Some(waiting)) = (self.index.shards.get(i), self.index.waiting.get(i))
+        else {
+            return (None, false);
+        };
+        let mut backoff = Backoff::new();
+        loop {
+            // Defer to waiting writers (but not forever: several could take turns).
+            if waiting.load(Relaxed) == 0 || backoff.waited() > DEFER_FOR {
+                match lock.try_read() {
+                    Ok(g) => return (Some(g), backoff.start.is_some()),
+                    Err(TryLockError::Poisoned(p)) => {
+                        return (Some(p.into_inner()), backoff.start.is_some());
+                    }
+                    Err(TryLockError::WouldBlock) => {}
+                }
+            }
+            // Never wait while holding what a writer waits for.
+            self.yield_to_writers();
+            backoff.wait();
+        }
+    }
+
+    /// Releases every held shard a writer is waiting for.
+    fn yield_to_writers(&mut self) {
+        if self.index.any_waiting.load(Relaxed) == 0 {
+            return;
+        }
+        for (g, w) in self.guards.iter_mut().zip(self.index.waiting.iter()) {
+            if g.is_some() && w.load(Relaxed) != 0 {
+                *g = None;
+                self.held -= 1;
+            }
+        }
+    }
+}
+
+struct Nodes<'a>(&'a RwLock<U64Map<u32, u32>>);
+
+impl NodeOf for Nodes<'_> {
+    fn node_of(&self, endpoint: u32) -> Option<u32> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&endpoint)
+            .copied()
+    }
 }
 
 impl KvIndex {
@@ -63,33 +232,56 @@ impl KvIndex {
             shards: (0..config.shards)
                 .map(|_| RwLock::new(Shard::new(per_shard)))
                 .collect(),
+            waiting: (0..config.shards).map(|_| AtomicU32::new(0)).collect(),
+            any_waiting: AtomicU32::new(0),
             shift: 64 - config.shards.trailing_zeros(),
-            nodes: RwLock::new(Vec::new()),
+            nodes: RwLock::new(U64Map::default()),
         })
     }
 
     fn shard_of(&self, key: BlockKey) -> usize {
-        // The top bits: the shard's own table indexes by the (multiplied) low bits.
+        // The top bits: the shard's own table indexes by a mix of all bits.
         key.0.checked_shr(self.shift).unwrap_or(0) as usize
     }
 
-    fn with_shard<R>(&self, i: usize, f: impl FnOnce(&mut Shard) -> R) -> Option<R> {
+    /// Shard `i`'s exclusive lock, announcing the wait so lookups let go of it.
+    fn write_lock(&self, i: usize) -> Option<RwLockWriteGuard<'_, Shard>> {
         let lock = self.shards.get(i)?;
-        let mut guard = lock.write().unwrap_or_else(PoisonError::into_inner);
-        Some(f(&mut guard))
+        match lock.try_write() {
+            Ok(g) => return Some(g),
+            Err(TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => {}
+        }
+        let waiting = self.waiting.get(i)?;
+        waiting.fetch_add(1, Relaxed);
+        self.any_waiting.fetch_add(1, Relaxed);
+        let mut backoff = Backoff::new();
+        let g = loop {
+            match lock.try_write() {
+                Ok(g) => break g,
+                Err(TryLockError::Poisoned(p)) => break p.into_inner(),
+                Err(TryLockError::WouldBlock) => backoff.wait(),
+            }
+        };
+        waiting.fetch_sub(1, Relaxed);
+        self.any_waiting.fetch_sub(1, Relaxed);
+        Some(g)
+    }
+
+    /// Runs `f` on shard `i` under its exclusive lock.
+    fn with_shard<R>(&self, i: usize, f: impl FnOnce(&mut Shard) -> R) -> Option<R> {
+        let mut g = self.write_lock(i)?;
+        Some(f(&mut g))
     }
 
     /// Says which node an endpoint runs on (`None`: unknown), so lookups credit the node's
     /// host/disk/remote tiers to it.
     pub fn set_endpoint_node(&self, endpoint: EndpointId, node: Option<NodeId>) {
         let mut nodes = self.nodes.write().unwrap_or_else(PoisonError::into_inner);
-        let i = endpoint.get() as usize;
-        if nodes.len() <= i {
-            nodes.resize(i + 1, NO_NODE);
-        }
-        if let Some(slot) = nodes.get_mut(i) {
-            *slot = node.map_or(NO_NODE, NodeId::get);
-        }
+        match node {
+            Some(n) => nodes.insert(endpoint.get(), n.get()),
+            None => nodes.remove(&endpoint.get()),
+        };
     }
 
     /// Applies one source's events in order. `Stored`'s parent, LoRA and token count are not
@@ -107,28 +299,17 @@ impl KvIndex {
                         self.bucket(ops, keys, |k| Op::Unset(k, tier_bit(*tier)));
                     }
                     KvEvent::Cleared { tier } => {
-                        self.flush(holder, ops);
+                        self.flush(holder, ops, Millis(0));
                         let bits = tier.map_or(ALL_TIERS, tier_bit);
-                        for i in 0..self.shards.len() {
-                            self.with_shard(i, |s| s.clear(holder, bits, bits & 1 != 0));
-                        }
+                        // A GPU (or full) clear drops the source's speculation too.
+                        let bits = if bits & 1 != 0 { bits | SPEC } else { bits };
+                        self.clear_source(holder, bits);
                     }
                     KvEvent::Unknown => {}
                 }
             }
-            self.flush(holder, ops);
+            self.flush(holder, ops, Millis(0));
         });
-    }
-
-    /// Runs each shard's pending ops under one write lock, then empties them.
-    fn run(&self, ops: &mut [Vec<Op>], f: impl Fn(&mut Shard, Op)) {
-        for (i, v) in ops.iter_mut().enumerate() {
-            if v.is_empty() {
-                continue;
-            }
-            self.with_shard(i, |s| v.iter().for_each(|&op| f(s, op)));
-            v.clear();
-        }
     }
 
     fn bucket(&self, ops: &mut [Vec<Op>], keys: &[BlockKey], op: impl Fn(BlockKey) -> Op) {
@@ -139,13 +320,112 @@ impl KvIndex {
         }
     }
 
-    fn flush(&self, holder: u32, ops: &mut [Vec<Op>]) {
-        self.run(ops, |s, op| s.apply(holder, op));
+    /// Applies each shard's pending ops, [`WRITE_BATCH`] per exclusive hold, then empties them.
+    /// Shards that are free are done at once; the others are announced together and taken
+    /// as they come free, so a lookup releases all of them at its next batch boundary (one
+    /// wait per call, not one per shard).
+    fn flush(&self, holder: u32, ops: &mut [Vec<Op>], deadline: Millis) {
+        let mut blocked = Vec::new();
+        for (i, v) in ops.iter_mut().enumerate() {
+            if v.is_empty() {
+                continue;
+            }
+            if v.len() <= WRITE_BATCH {
+                let Some(lock) = self.shards.get(i) else {
+                    v.clear();
+                    continue;
+                };
+                match lock.try_write() {
+                    Ok(mut g) => g.apply(holder, v, deadline),
+                    Err(TryLockError::Poisoned(p)) => p.into_inner().apply(holder, v, deadline),
+                    Err(TryLockError::WouldBlock) => {
+                        blocked.push(i);
+                        continue;
+                    }
+                }
+                v.clear();
+                continue;
+            }
+            match self.shards.get(i).map(RwLock::try_write) {
+                Some(Ok(g)) => self.write_all(i, g, holder, v, deadline),
+                Some(Err(TryLockError::Poisoned(p))) => {
+                    self.write_all(i, p.into_inner(), holder, v, deadline);
+                }
+                Some(Err(TryLockError::WouldBlock)) => blocked.push(i),
+                None => v.clear(),
+            }
+        }
+        if blocked.is_empty() {
+            return;
+        }
+        for &i in &blocked {
+            if let Some(w) = self.waiting.get(i) {
+                w.fetch_add(1, Relaxed);
+            }
+        }
+        self.any_waiting.fetch_add(blocked.len() as u32, Relaxed);
+        let mut backoff = Backoff::new();
+        while !blocked.is_empty() {
+            let before = blocked.len();
+            blocked.retain(|&i| {
+                let g = match self.shards.get(i).map(RwLock::try_write) {
+                    Some(Ok(g)) => g,
+                    Some(Err(TryLockError::Poisoned(p))) => p.into_inner(),
+                    Some(Err(TryLockError::WouldBlock)) => return true,
+                    None => return false,
+                };
+                if let Some(w) = self.waiting.get(i) {
+                    w.fetch_sub(1, Relaxed);
+                }
+                self.any_waiting.fetch_sub(1, Relaxed);
+                if let Some(v) = ops.get_mut(i) {
+                    self.write_all(i, g, holder, v, deadline);
+                }
+                false
+            });
+            if blocked.len() == before {
+                backoff.wait();
+            }
+        }
+    }
+
+    /// Applies `ops` to shard `i`: the first chunk under `g`, the rest re-locking per chunk.
+    fn write_all(
+        &self,
+        i: usize,
+        mut g: RwLockWriteGuard<'_, Shard>,
+        holder: u32,
+        ops: &mut Vec<Op>,
+        deadline: Millis,
+    ) {
+        let mut chunks = ops.chunks(WRITE_BATCH);
+        if let Some(first) = chunks.next() {
+            g.apply(holder, first, deadline);
+        }
+        drop(g);
+        for chunk in chunks {
+            self.with_shard(i, |s| s.apply(holder, chunk, deadline));
+        }
+        ops.clear();
+    }
+
+    /// Clears `bits` of `holder` on every block it holds, visiting only its own key lists,
+    /// [`CLEAR_BATCH`] keys per exclusive hold.
+    fn clear_source(&self, holder: u32, bits: Bits) {
+        for i in 0..self.shards.len() {
+            let mut cursor = usize::MAX;
+            while cursor > 0 {
+                match self.with_shard(i, |s| s.clear_some(holder, bits, cursor, CLEAR_BATCH)) {
+                    Some(c) => cursor = c,
+                    None => break,
+                }
+            }
+        }
     }
 
     /// Replaces everything `source` holds (its confirmed tiers; speculation is kept) with a
-    /// snapshot of (key, tier) residencies, shard by shard. For resynchronising after a gap or
-    /// a new epoch. O(index size): each shard is scanned once.
+    /// snapshot of (key, tier) residencies. For resynchronising after a gap or a new epoch.
+    /// O(source's keys + snapshot). A concurrent lookup may see the source partly cleared.
     pub fn replace_source(
         &self,
         source: Holder,
@@ -158,20 +438,13 @@ impl KvIndex {
                 v.push(Op::Set(k, tier_bit(tier)));
             }
         }
-        for (i, v) in ops.iter().enumerate() {
-            self.with_shard(i, |s| {
-                s.clear(holder, ALL_TIERS, false);
-                v.iter().for_each(|&op| s.apply(holder, op));
-            });
-        }
+        self.clear_source(holder, ALL_TIERS);
+        self.flush(holder, &mut ops, Millis(0));
     }
 
-    /// Forgets `source` entirely (its residencies and speculation). O(index size).
+    /// Forgets `source` entirely (its residencies and speculation). O(source's keys).
     pub fn remove_source(&self, source: Holder) {
-        let holder = source.pack();
-        for i in 0..self.shards.len() {
-            self.with_shard(i, |s| s.clear(holder, ALL_TIERS | SPEC, true));
-        }
+        self.clear_source(source.pack(), ALL_TIERS | SPEC);
     }
 
     /// Records that a request routed to `endpoint` will put `keys` in its GPU cache: they count
@@ -179,23 +452,25 @@ impl KvIndex {
     /// [`KvIndex::expire`] runs at or after `now + ttl`.
     pub fn speculate(&self, endpoint: EndpointId, keys: &[BlockKey], now: Millis, ttl: Millis) {
         let holder = Holder::Endpoint(endpoint).pack();
-        let deadline = now.after(ttl);
         OPS.with_borrow_mut(|ops| {
             ops.resize_with(self.shards.len(), Vec::new);
-            self.bucket(ops, keys, |k| Op::Set(k, 0));
-            self.run(ops, |s, op| {
-                if let Op::Set(k, _) = op {
-                    s.speculate(k, holder, deadline);
-                }
-            });
+            self.bucket(ops, keys, Op::Spec);
+            self.flush(holder, ops, now.after(ttl));
         });
     }
 
     /// Drops speculative entries whose deadline is at or before `now`; returns how many.
     pub fn expire(&self, now: Millis) -> usize {
-        (0..self.shards.len())
-            .filter_map(|i| self.with_shard(i, |s| s.expire(now)))
-            .sum()
+        let mut n = 0;
+        for i in 0..self.shards.len() {
+            while let Some((k, more)) = self.with_shard(i, |s| s.expire(now, WRITE_BATCH)) {
+                n += k;
+                if !more {
+                    break;
+                }
+            }
+        }
+        n
     }
 
     /// For each candidate (in order), the prefix of `keys` it can serve per tier. Stops reading
@@ -213,54 +488,101 @@ impl KvIndex {
         candidates: &[EndpointId],
         out: &mut Vec<Overlap>,
     ) {
+        if candidates.is_empty() {
+            return;
+        }
         MATCHER.with_borrow_mut(|m| {
-            {
-                let nodes = read(&self.nodes);
-                m.begin(candidates, |ep| {
-                    nodes
-                        .get(ep.get() as usize)
-                        .copied()
-                        .filter(|&n| n != NO_NODE)
-                });
-            }
-            let mut guards: Vec<Option<RwLockReadGuard<'_, Shard>>> = Vec::new();
-            guards.resize_with(self.shards.len(), || None);
-            let mut n = 0u32;
-            // Keys go in batches: the batch's table probes are independent loads, so their
-            // cache misses overlap instead of queueing one after another.
-            for batch in keys.chunks(BATCH) {
-                if !m.any_alive() {
-                    break;
+            m.begin(candidates);
+            let nodes = Nodes(&self.nodes);
+            let mut reader = Reader::new(self);
+            let mut done = 0;
+            let mut batch = FIRST_BATCH;
+            let mut slots = [NOT_FOUND; MAX_BATCH];
+            let mut loaded = [0u64; 2 * MAX_BATCH];
+            // The one-holder word last fed to the matcher: a key with the same sole holder
+            // (and bits) changes nothing, so the common case costs one comparison.
+            let mut prev_one = 0u64;
+            'walk: while done < keys.len() && m.wants_more() {
+                let chunk = keys
+                    .get(done..keys.len().min(done + batch))
+                    .unwrap_or_default();
+                // Shared locks of every shard the batch needs (once all are held, nothing to do).
+                if !reader.all_held() {
+                    let mut waited = false;
+                    for &key in chunk {
+                        let s = self.shard_of(key);
+                        if reader.held(s).is_none() {
+                            waited |= reader.take(s);
+                        }
+                    }
+                    if waited {
+                        // Waiting may have released others to a writer: hold them all.
+                        reader.hold(chunk);
+                    }
                 }
-                for &key in batch {
-                    let i = self.shard_of(key);
-                    if let (Some(slot @ None), Some(lock)) = (guards.get_mut(i), self.shards.get(i))
+                // Two rounds of overlapping cache misses: every key's home bucket, then the
+                // holder lists of the blocks found. Addresses are computed first and loaded
+                // in a tight loop, each into its own cell (a dependency or a long loop body
+                // between loads would serialise the misses).
+                let mut tables: [Option<&Table>; MAX_BATCH] = [None; MAX_BATCH];
+                let mut homes = [(0usize, &ZERO); MAX_BATCH];
+                for ((&key, t), h) in chunk.iter().zip(&mut tables).zip(&mut homes) {
+                    *t = reader.held(self.shard_of(key)).map(Shard::table);
+                    if let Some(t) = t {
+                        let (i, r) = t.home_ref(key.0);
+                        *h = (i, r.unwrap_or(&ZERO));
+                    }
+                }
+                for (l, (_, r)) in loaded.iter_mut().zip(&homes).take(chunk.len()) {
+                    *l = **r;
+                }
+                std::hint::black_box(&loaded);
+                let mut lines = [&ZERO; 2 * MAX_BATCH];
+                let mut n_lines = 0;
+                for (((&key, t), &(h, _)), slot) in
+                    chunk.iter().zip(&tables).zip(&homes).zip(&mut slots)
+                {
+                    *slot = NOT_FOUND;
+                    if let Some(t) = t
+                        && let Some(i) = t.find_from(key.0, h)
                     {
-                        *slot = Some(read(lock));
+                        *slot = i;
+                        t.holder_lines(i, |r| {
+                            if let Some(l) = lines.get_mut(n_lines) {
+                                *l = r;
+                                n_lines += 1;
+                            }
+                        });
                     }
                 }
-                let mut found: [Option<&Block>; BATCH] = [None; BATCH];
-                for (f, &key) in found.iter_mut().zip(batch) {
-                    *f = guards
-                        .get(self.shard_of(key))
-                        .and_then(Option::as_ref)
-                        .and_then(|s| s.get(key));
+                for (l, r) in loaded.iter_mut().zip(&lines).take(n_lines) {
+                    *l = **r;
                 }
-                for b in found.iter().flatten() {
-                    b.touch();
-                }
-                for f in found.iter().take(batch.len()) {
-                    let alive = match f {
-                        Some(block) => m.key(n, block.residencies()),
-                        None => m.key(n, std::iter::empty()),
+                std::hint::black_box(&loaded);
+                for (t, &slot) in tables.iter().zip(&slots).take(chunk.len()) {
+                    let i = u32::try_from(done).unwrap_or(u32::MAX);
+                    done += 1;
+                    let holders = match t {
+                        Some(t) if slot != NOT_FOUND => {
+                            let w = t.touch(slot);
+                            if w == prev_one {
+                                continue;
+                            }
+                            let h = t.holders(slot);
+                            prev_one = if matches!(h, Holders::One(_)) { w } else { 0 };
+                            h
+                        }
+                        _ => Holders::None,
                     };
-                    n += 1;
-                    if !alive {
-                        break;
+                    if !m.key(i, holders, candidates, &nodes) {
+                        break 'walk;
                     }
                 }
+                batch = (batch * 2).min(MAX_BATCH);
+                reader.yield_to_writers();
             }
-            m.finish(n, out);
+            drop(reader);
+            m.finish(u32::try_from(done).unwrap_or(u32::MAX), candidates, out);
         });
     }
 
@@ -268,7 +590,7 @@ impl KvIndex {
     pub fn stats(&self) -> IndexStats {
         let mut st = IndexStats::default();
         for lock in self.shards.iter() {
-            let s = read(lock);
+            let s = lock.read().unwrap_or_else(PoisonError::into_inner);
             st.blocks += s.blocks();
             st.residencies += s.residencies();
             st.evicted_blocks += s.evicted();

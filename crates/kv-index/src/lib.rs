@@ -16,13 +16,13 @@
 //! crate's README for the design, complexity and measured figures.
 
 mod approx;
-mod block;
 mod config;
 mod id;
 mod index;
 mod matcher;
 mod overlap;
 mod shard;
+mod table;
 mod time;
 
 pub use approx::ApproxTracker;

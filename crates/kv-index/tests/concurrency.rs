@@ -9,8 +9,9 @@
     clippy::panic
 )]
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
 
 use kv_events::{BlockKey, KvEvent, Tier};
 use kv_index::{EndpointId, Holder, IndexConfig, KvIndex};
@@ -37,14 +38,24 @@ fn readers_see_well_formed_prefixes_while_writers_run() {
         .unwrap(),
     );
     let writers = 4u32;
+    let reader_threads = 3u64;
     let stop = Arc::new(AtomicBool::new(false));
+    // Everyone starts together, and writers wait until readers are looking up.
+    let start = Arc::new(Barrier::new(writers as usize + reader_threads as usize));
+    let lookups_done = Arc::new(AtomicU64::new(0));
     let eps: Vec<EndpointId> = (0..writers).map(|w| EndpointId::new(w).unwrap()).collect();
     let mut handles = Vec::new();
     for w in 0..writers {
         let idx = Arc::clone(&idx);
+        let start = Arc::clone(&start);
+        let lookups_done = Arc::clone(&lookups_done);
         handles.push(std::thread::spawn(move || {
             let h = Holder::Endpoint(EndpointId::new(w).unwrap());
             let keys = chain(0, u64::from(w));
+            start.wait();
+            while lookups_done.load(Ordering::Relaxed) < reader_threads {
+                std::thread::yield_now();
+            }
             for round in 0..300 {
                 // Grow the chain block by block, then shrink it from the tail, as an engine
                 // evicting leaves first would.
@@ -87,13 +98,19 @@ fn readers_see_well_formed_prefixes_while_writers_run() {
         }));
     }
     let mut readers = Vec::new();
-    for r in 0..3u64 {
+    for r in 0..reader_threads {
         let idx = Arc::clone(&idx);
         let stop = Arc::clone(&stop);
+        let start = Arc::clone(&start);
+        let lookups_done = Arc::clone(&lookups_done);
         let eps = eps.clone();
         readers.push(std::thread::spawn(move || {
             let mut n = 0u64;
+            start.wait();
             while !stop.load(Ordering::Relaxed) {
+                if n == 1 {
+                    lookups_done.fetch_add(1, Ordering::Relaxed);
+                }
                 let keys = chain(0, (n + r) % u64::from(writers));
                 for o in idx.find_matches(&keys, &eps) {
                     let rs = o.reaches();
@@ -117,7 +134,7 @@ fn readers_see_well_formed_prefixes_while_writers_run() {
     }
     stop.store(true, Ordering::Relaxed);
     let lookups: u64 = readers.into_iter().map(|h| h.join().unwrap()).sum();
-    assert!(lookups > 0);
+    assert!(lookups >= reader_threads);
     for w in 0..writers {
         let got = idx.find_matches(&chain(0, u64::from(w)), &eps);
         for o in got {
@@ -133,4 +150,81 @@ fn readers_see_well_formed_prefixes_while_writers_run() {
         idx.stats().residencies,
         (16 * writers + (LEN as u32 - 16) * writers) as usize
     );
+}
+
+/// Lookups running back to back on every other core must not starve a writer (each lookup
+/// lets go of a shard a writer waits for after its current probe batch), and a steady writer
+/// must not starve lookups.
+#[test]
+fn writers_and_back_to_back_lookups_both_progress() {
+    let idx = Arc::new(KvIndex::new(IndexConfig::default()).unwrap());
+    let prompt: Vec<BlockKey> = (0..512u64)
+        .map(|i| BlockKey((i + 7).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+        .collect();
+    let holder = Holder::Endpoint(EndpointId::new(0).unwrap());
+    idx.apply(
+        holder,
+        &[KvEvent::Stored {
+            keys: prompt.clone(),
+            parent: None,
+            tier: Tier::Gpu,
+            lora: None,
+            token_count: 0,
+        }],
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let cands: Vec<EndpointId> = (0..64).map(|e| EndpointId::new(e).unwrap()).collect();
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (idx, stop, prompt, cands) = (
+                Arc::clone(&idx),
+                Arc::clone(&stop),
+                prompt.clone(),
+                cands.clone(),
+            );
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let got = idx.find_matches(&prompt, &cands);
+                    assert_eq!(got[0].reach(Tier::Gpu), 512);
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    // 20,000 envelopes of 16 stores + 16 removes, each touching most shards.
+    let t = Instant::now();
+    for round in 0..20_000u64 {
+        let fresh: Vec<BlockKey> = (0..16)
+            .map(|i| BlockKey(((round * 16 + i + 1) << 20).wrapping_mul(0xD6E8_FEB8_6659_FD93)))
+            .collect();
+        let w = Holder::Endpoint(EndpointId::new(1).unwrap());
+        idx.apply(
+            w,
+            &[
+                KvEvent::Stored {
+                    keys: fresh.clone(),
+                    parent: None,
+                    tier: Tier::Gpu,
+                    lora: None,
+                    token_count: 0,
+                },
+                KvEvent::Removed {
+                    keys: fresh,
+                    tier: Tier::Gpu,
+                },
+            ],
+        );
+    }
+    let writes = t.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let lookups: u64 = readers.into_iter().map(|h| h.join().unwrap()).sum();
+    assert!(lookups > 0);
+    // 640,000 block events: seconds at worst on a loaded machine, not minutes.
+    assert!(
+        writes < Duration::from_secs(60),
+        "writer starved: {writes:?}"
+    );
+    assert_eq!(idx.stats().residencies, 512);
 }

@@ -1,4 +1,4 @@
-//! Shared bench helpers: a seeded RNG, env-configurable sizes, percentiles, RSS.
+//! Shared bench helpers: a seeded RNG, env-configurable sizes, percentiles.
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -47,17 +47,6 @@ pub fn percentiles(samples: &mut [Duration]) -> (u128, u128, u128) {
         samples.get(i).map_or(0, Duration::as_nanos)
     };
     (at(0.5), at(0.99), at(1.0))
-}
-
-/// Resident set size of this process in bytes (Linux), 0 elsewhere.
-pub fn rss_bytes() -> usize {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: usize = statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    pages * 4096
 }
 
 #[allow(clippy::print_stdout)]

@@ -16,6 +16,10 @@ pub struct Model {
     held: HashMap<BlockKey, HashSet<(Holder, u8)>>,
     spec: HashMap<(BlockKey, EndpointId), u64>,
     pub node_of: HashMap<EndpointId, NodeId>,
+    /// Record every speculation, even on a block the endpoint has in GPU (where the index's
+    /// is a no-op). A bounded index that evicted that block records it, so this is the bound
+    /// an evicting index must stay within.
+    pub spec_always: bool,
 }
 
 impl Model {
@@ -100,7 +104,7 @@ impl Model {
     pub fn speculate(&mut self, ep: EndpointId, keys: &[BlockKey], now: Millis, ttl: Millis) {
         let h = Holder::Endpoint(ep);
         for &k in keys {
-            if self.held.get(&k).is_some_and(|s| s.contains(&(h, 0))) {
+            if !self.spec_always && self.held.get(&k).is_some_and(|s| s.contains(&(h, 0))) {
                 continue;
             }
             self.spec.insert((k, ep), now.0.saturating_add(ttl.0));
