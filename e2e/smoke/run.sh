@@ -63,7 +63,9 @@ m=$(curl -s "http://127.0.0.1:$metrics/metrics")
 routed=$(echo "$m" | awk '/^kvgate_epp_requests_routed_total/ {print $2}')
 ratio=$(echo "$m" | awk '/^kvgate_epp_prefix_hit_ratio/ {print $2}')
 events=$(echo "$m" | awk '/^kvgate_epp_kv_events_total/ {print $2}')
-echo "EPP metrics: routed=$routed prefix_hit_ratio=$ratio kv_events=$events"
+scrapes=$(echo "$m" | awk '/^kvgate_epp_engine_scrapes_total/ {print $2}')
+echo "EPP metrics: routed=$routed prefix_hit_ratio=$ratio kv_events=$events engine_scrapes=$scrapes"
+python3 -c "import sys; sys.exit(0 if float('${scrapes:-0}') > 0 else 1)" || fail "metrics: no engine scrapes"
 [ "${routed:-0}" -ge 6 ] || fail "metrics: routed=$routed"
 python3 -c "import sys; sys.exit(0 if float('${ratio:-0}') > 0.5 else 1)" || fail "metrics: prefix hit ratio $ratio"
 echo "SMOKE OK (logs in $run)"

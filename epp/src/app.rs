@@ -131,10 +131,19 @@ pub fn run(args: Args) -> Result<(), AppError> {
     let readiness = Readiness::new();
     let stop = Arc::new(AtomicBool::new(false));
     let ingester = Ingester::new(Arc::clone(&state.index));
+    let scraper = {
+        let p = Arc::clone(&picker);
+        crate::load::Scraper::new(
+            Arc::clone(&state.loads),
+            Arc::new(move || p.now()),
+            crate::load::ScrapeConfig::default(),
+        )
+    };
     let metrics_sources = crate::metrics::Sources {
         pool: args.pool_name.clone(),
         picker: picker.stats(),
         ingest: Some(ingester.stats()),
+        scrape: Some(scraper.stats()),
         index: Arc::clone(&state.index),
         datastore: Arc::clone(&state.datastore),
     };
@@ -151,7 +160,8 @@ pub fn run(args: Args) -> Result<(), AppError> {
             .name("discovery".into())
             .spawn(move || {
                 background_loop(
-                    &state, &picker, ingester, file, &model, block_size, &readiness, &stop,
+                    &state, &picker, ingester, &scraper, file, &model, block_size, &readiness,
+                    &stop,
                 )
             })
             .map_err(AppError::Runtime)?
@@ -185,6 +195,7 @@ fn background_loop(
     state: &State,
     picker: &Picker,
     mut ingester: Ingester,
+    scraper: &crate::load::Scraper,
     file: PathBuf,
     model: &str,
     block_size: u32,
@@ -208,6 +219,14 @@ fn background_loop(
                     };
                     let (count, removed) = apply(&targets, parsed);
                     ingester.sync(sources);
+                    scraper.sync(
+                        state
+                            .datastore
+                            .snapshot()
+                            .iter()
+                            .map(|e| (e.id, e.address))
+                            .collect(),
+                    );
                     tracing::info!(
                         endpoints = count,
                         removed,

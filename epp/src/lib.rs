@@ -11,6 +11,7 @@ mod args;
 pub mod discovery;
 pub mod extproc;
 pub mod ingest;
+pub mod load;
 pub mod metrics;
 pub mod routing;
 pub mod server;

@@ -21,6 +21,8 @@ pub struct Sources {
     pub picker: Arc<PickerStats>,
     /// Direct-ZMQ ingestion counters.
     pub ingest: Option<Arc<IngestStats>>,
+    /// Engine-metrics scraping counters.
+    pub scrape: Option<Arc<crate::load::ScrapeStats>>,
     /// The index (size).
     pub index: Arc<KvIndex>,
     /// Endpoints (ready count).
@@ -140,6 +142,20 @@ pub fn render(s: &Sources) -> String {
             metric(name, "counter", help, get(v) as f64);
         }
     }
+    if let Some(sc) = &s.scrape {
+        metric(
+            "kvgate_epp_engine_scrapes_total",
+            "counter",
+            "Engine /metrics scrapes that gave a load sample.",
+            get(&sc.ok) as f64,
+        );
+        metric(
+            "kvgate_epp_engine_scrape_failures_total",
+            "counter",
+            "Engine /metrics scrapes that failed (unreachable, bad status, unparsable).",
+            get(&sc.failures) as f64,
+        );
+    }
     let endpoints = s.datastore.snapshot();
     let ready = endpoints.iter().filter(|e| e.ready).count();
     metric(
@@ -211,6 +227,7 @@ mod tests {
             pool: "p\"1".into(),
             picker,
             ingest: Some(Arc::default()),
+            scrape: Some(Arc::default()),
             index: Arc::new(KvIndex::new(kv_index::IndexConfig::default()).unwrap()),
             datastore: Arc::new(Datastore::new()),
         };
