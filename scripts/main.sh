@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# The main job. Until the local stack lands (issue #7) it runs kvgate's benchmarks in release:
-# KV-event decode + normalise throughput (and the prefix index when present).
+# The main job. Until `kvgate-bench up` lands (issue #7) it runs, on embedded defaults:
+#   1. the routing demo: real Envoy → kvgate-epp → three kvgate-sim engines, a shared-prefix
+#      conversation that sticks to the engine holding its prefix (e2e/smoke/run.sh);
+#   2. the simulator's throughput benchmark (e2e/bench/sim_throughput.sh, needs wrk);
+#   3. the KV-event and prefix-index benchmarks in release.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 scripts/bootstrap.sh
-benches=(-p kvgate-kv-events)
-if [ -d crates/kv-index ]; then benches+=(-p kvgate-kv-index); fi
-cargo bench "${benches[@]}"
+echo "== routing demo"
+e2e/smoke/run.sh
+if ! command -v wrk >/dev/null 2>&1; then
+  echo "main: installing wrk for the simulator benchmark"
+  if [ "$(id -u)" -eq 0 ]; then apt-get install -y -qq wrk >/dev/null; else sudo apt-get install -y -qq wrk >/dev/null; fi
+fi
+echo "== kvgate-sim throughput"
+e2e/bench/sim_throughput.sh 10
+echo "== KV-event and prefix-index benchmarks"
+cargo bench -p kvgate-kv-events -p kvgate-kv-index
