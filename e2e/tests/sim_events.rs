@@ -17,7 +17,7 @@ use kv_events::frame::{KvFrame, ReplayReply, replay_request};
 use kv_events::key::{KeySeed, block_keys};
 use kv_events::normalize::{Normalizer, NormalizerConfig};
 use serde_json::json;
-use support::{Sim, free_port};
+use support::{Sim, free_ports};
 
 fn subscriber(ctx: &zmq::Context, port: u16) -> zmq::Socket {
     let sub = ctx.socket(zmq::SUB).unwrap();
@@ -82,7 +82,7 @@ fn first_batch_is_byte_identical_to_real_vllm() {
     let want = KvFrame::from_parts(&parts).unwrap();
     assert_eq!(want.seq, 0);
 
-    let (p, r) = (free_port(), free_port());
+    let [p, r] = free_ports::<2>();
     let tokenizer = support::qwen3_dir();
     let config = events_config(p, r, Some(want.topic));
     let sim = Sim::start_env(
@@ -139,7 +139,7 @@ fn first_batch_is_byte_identical_to_real_vllm() {
 /// same bytes.
 #[test]
 fn event_stream_accounts_for_every_block() {
-    let (p, r) = (free_port(), free_port());
+    let [p, r] = free_ports::<2>();
     let config = events_config(p, r, None);
     let sim = Sim::start(&[
         "--model",
@@ -268,7 +268,7 @@ fn event_stream_accounts_for_every_block() {
 
 #[test]
 fn array_format_and_salt_are_what_vllm_0_23_consumers_expect() {
-    let (p, r) = (free_port(), free_port());
+    let [p, r] = free_ports::<2>();
     let config = events_config(p, r, Some(""));
     let sim = Sim::start_env(
         &[

@@ -17,6 +17,14 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// `N` distinct free ports (all held until every one is chosen, so they differ).
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<std::net::TcpListener> = (0..N)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    std::array::from_fn(|i| held[i].local_addr().unwrap().port())
+}
+
 /// The workspace root.
 pub fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -54,7 +62,22 @@ impl Sim {
         Self::start_env(extra, &[])
     }
 
+    /// Starts the simulator, retrying on a fresh HTTP port if it exits during start-up (another
+    /// process may take a "free" port between our probe and the simulator's bind).
     pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Sim {
+        for _ in 0..2 {
+            if let Some(sim) = Self::try_start(extra, env) {
+                return sim;
+            }
+            eprintln!("kvgate-sim exited during start-up; retrying on another port");
+        }
+        let mut sim =
+            Self::try_start(extra, env).expect("kvgate-sim exited during start-up (3 tries)");
+        sim.wait_ready(Duration::from_secs(30));
+        sim
+    }
+
+    fn try_start(extra: &[&str], env: &[(&str, &str)]) -> Option<Sim> {
         let port = free_port();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate-sim"));
         cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
@@ -69,8 +92,24 @@ impl Sim {
         }
         let child = cmd.spawn().expect("spawn kvgate-sim");
         let mut sim = Sim { child, port };
-        sim.wait_ready(Duration::from_secs(30));
-        sim
+        sim.ready_or_exited(Duration::from_secs(30)).then_some(sim)
+    }
+
+    /// Waits for /health; false if the process exited first.
+    fn ready_or_exited(&mut self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.child.try_wait().unwrap().is_some() {
+                return false;
+            }
+            if let Ok(r) = try_request(self.port, "GET", "/health", None)
+                && r.status == 200
+            {
+                return true;
+            }
+            assert!(Instant::now() < deadline, "kvgate-sim did not become ready");
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     pub fn wait_ready(&mut self, limit: Duration) {
