@@ -182,7 +182,7 @@ pub fn run(args: Args) -> Result<(), AppError> {
         ServerConfig::from_args(&args),
         picker,
         readiness,
-        shutdown_signal(),
+        cli_support::shutdown_signal(),
     ));
     stop.store(true, Ordering::Relaxed);
     let _ = background.join();
@@ -279,26 +279,4 @@ fn direct_sources(
             })
         })
         .collect()
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
-    tracing::info!("shutdown signal received; draining ext_proc streams");
 }

@@ -55,6 +55,29 @@ impl ExitStatus for NotInThisBuild {
     }
 }
 
+/// Completes on SIGINT (Ctrl-C) or SIGTERM (Kubernetes' stop signal), logging which; servers
+/// pass it as their graceful-shutdown future.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => tracing::info!("SIGINT received: shutting down"),
+        () = term => tracing::info!("SIGTERM received: shutting down"),
+    }
+}
+
 /// Renders an error and its causes, one per line.
 pub fn render<E: Error + ?Sized>(err: &E) -> String {
     let mut out = format!("error: {err}");

@@ -218,7 +218,7 @@ async fn serve(args: Args) -> Result<(), SimError> {
         "kvgate-sim listening"
     );
     axum::serve(listener, api::router(app))
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(cli_support::shutdown_signal())
         .await
         .map_err(|source| SimError::Io {
             context: "serving HTTP".into(),
@@ -227,26 +227,4 @@ async fn serve(args: Args) -> Result<(), SimError> {
     driver.stop();
     tracing::info!("kvgate-sim stopped");
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
-    tracing::info!("shutdown signal received; finishing in-flight requests");
 }
