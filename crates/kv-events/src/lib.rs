@@ -8,7 +8,8 @@
 //!   from a request and the sidecar from an engine's events.
 //! - [`normalize`]: the per-pod normaliser turning engine events into kvgate [`event`]s.
 //! - [`engine_hash`]: vLLM's `sha256_cbor` and SGLang's page hash, to verify engines' hashes.
-//! - [`envelope`] and [`subject`]: the NATS envelope and subjects.
+//! - [`envelope`] and [`subject`]: the NATS envelope and subjects; [`snapshot`]: the
+//!   resident-set request/reply after a gap; [`load`]: relayed engine load samples.
 //!
 //! What it is not: a transport (the sidecar and EPP own the sockets) or an index (`kv-index`).
 //! Every malformed input yields a typed error; nothing here panics on wire data.
@@ -20,8 +21,10 @@ pub mod event;
 pub mod fasthash;
 pub mod frame;
 pub mod key;
+pub mod load;
 pub mod msgpack;
 pub mod normalize;
+pub mod snapshot;
 pub mod subject;
 pub mod tier;
 

@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use super::parse::MAX_EXPOSITION;
+use engine_metrics::MAX_EXPOSITION;
 
 /// Largest response head accepted.
 const MAX_HEAD: usize = 16 * 1024;

@@ -1,12 +1,11 @@
 //! Engine load scraping: one thread polls every endpoint's Prometheus `/metrics` round-robin
-//! each interval, reads the queue, running and KV-cache gauges ([`parse`]) and records them in
+//! each interval, reads the queue, running and KV-cache gauges (`engine_metrics`) and records them in
 //! the shared [`LoadBook`].
 //!
 //! Samples are stamped with the caller's clock (the one the scheduler reads freshness with).
 //! The scraper never removes samples from the book: discovery does that when an endpoint leaves.
 
 mod http;
-pub mod parse;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,8 +16,18 @@ use std::time::{Duration, Instant};
 use kv_index::{EndpointId, Millis};
 use scheduler::LoadBook;
 
+pub use engine_metrics::{Gauges, MAX_EXPOSITION, ParseError, parse_gauges};
 pub use http::FetchError;
-pub use parse::{Gauges, MAX_EXPOSITION, ParseError, parse_gauges, parse_load};
+
+/// The gauges as the scheduler's load sample stamped `at`.
+pub fn to_load(gauges: &Gauges, at: Millis) -> scheduler::EngineLoad {
+    scheduler::EngineLoad {
+        waiting: gauges.waiting_count(),
+        running: gauges.running_count(),
+        kv_usage: gauges.kv_usage_fraction(),
+        at,
+    }
+}
 
 /// How and how often endpoints are scraped.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,7 +91,8 @@ pub fn scrape_once(
         config.connect_timeout,
         config.read_timeout,
     )?;
-    Ok(parse::parse_load(&body, clock())?)
+    let gauges = parse_gauges(&body)?;
+    Ok(to_load(&gauges, clock()))
 }
 
 type Targets = Arc<Mutex<Vec<(EndpointId, SocketAddr)>>>;

@@ -1,13 +1,12 @@
-//! A Prometheus text-exposition reader for the few engine gauges the scheduler needs.
+//! A Prometheus text-exposition reader for the few model-server load gauges kvgate routes on
+//! (vLLM, SGLang, TRT-LLM and Triton's TRT-LLM backend names). Pure: the EPP's scraper and the
+//! sidecar's load relay both feed it bytes they fetched.
 //!
 //! Only the sample lines of the recognised metric names are parsed; everything else (comments,
 //! `# HELP` / `# TYPE`, other families) is skipped after reading its name. Samples of the same
 //! signal under several label sets (several ranks or models in one exposition) are summed for
 //! the request counts; for the KV-cache fraction the largest one is kept (summing fractions is
 //! meaningless, and vLLM exposes the old and new name side by side during its deprecation).
-
-use kv_index::Millis;
-use scheduler::EngineLoad;
 
 /// Largest exposition accepted.
 pub const MAX_EXPOSITION: usize = 4 * 1024 * 1024;
@@ -79,7 +78,7 @@ fn triton_signal(name: &str, labels: &[(String, String)]) -> Option<Signal> {
     }
 }
 
-/// Raw totals of the recognised gauges (before conversion to an [`EngineLoad`]).
+/// Raw totals of the recognised gauges.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Gauges {
     /// Sum of the queued-request gauges, if any was present.
@@ -109,14 +108,19 @@ impl Gauges {
         self.waiting.is_none() && self.running.is_none() && self.kv_usage.is_none()
     }
 
-    /// The sample stamped `at`; absent gauges count as 0.
-    pub fn to_load(&self, at: Millis) -> EngineLoad {
-        EngineLoad {
-            waiting: count(self.waiting),
-            running: count(self.running),
-            kv_usage: self.kv_usage.unwrap_or(0.0).clamp(0.0, 1.0),
-            at,
-        }
+    /// Queued requests as a count; an absent gauge counts as 0.
+    pub fn waiting_count(&self) -> u32 {
+        count(self.waiting)
+    }
+
+    /// Running requests as a count; an absent gauge counts as 0.
+    pub fn running_count(&self) -> u32 {
+        count(self.running)
+    }
+
+    /// KV-cache usage clamped to `[0, 1]`; an absent gauge counts as 0.
+    pub fn kv_usage_fraction(&self) -> f64 {
+        self.kv_usage.unwrap_or(0.0).clamp(0.0, 1.0)
     }
 }
 
@@ -164,11 +168,6 @@ pub fn parse_gauges(body: &[u8]) -> Result<Gauges, ParseError> {
         return Err(ParseError::NoGauges);
     }
     Ok(gauges)
-}
-
-/// Reads the recognised gauges from a text exposition as a sample stamped `at`.
-pub fn parse_load(body: &[u8], at: Millis) -> Result<EngineLoad, ParseError> {
-    parse_gauges(body).map(|g| g.to_load(at))
 }
 
 /// Parses what follows a sample's name: an optional `{labels}` block, the value, and an
@@ -284,18 +283,15 @@ sglang:token_usage{model_name="Qwen/Qwen2.5-7B",tp_rank="0"} 0.42
 sglang:gen_throughput{model_name="Qwen/Qwen2.5-7B"} 812.5
 "#;
 
+    /// The counts a router uses, as one tuple.
+    fn load(body: &[u8]) -> (u32, u32, f64) {
+        let g = parse_gauges(body).unwrap();
+        (g.waiting_count(), g.running_count(), g.kv_usage_fraction())
+    }
+
     #[test]
     fn vllm_sums_label_sets_and_keeps_the_largest_kv_fraction() {
-        let load = parse_load(VLLM.as_bytes(), Millis(7)).unwrap();
-        assert_eq!(
-            load,
-            EngineLoad {
-                waiting: 3,
-                running: 7,
-                kv_usage: 0.5,
-                at: Millis(7)
-            }
-        );
+        assert_eq!(load(VLLM.as_bytes()), (3, 7, 0.5));
     }
 
     #[test]
@@ -310,8 +306,7 @@ sglang:gen_throughput{model_name="Qwen/Qwen2.5-7B"} 812.5
     fn trtllm_serve_and_triton_names() {
         let serve = "trtllm_num_requests_waiting 2\ntrtllm_num_requests_running 9\n\
                      trtllm_kv_cache_utilization 0.75\n";
-        let load = parse_load(serve.as_bytes(), Millis(0)).unwrap();
-        assert_eq!((load.waiting, load.running, load.kv_usage), (2, 9, 0.75));
+        assert_eq!(load(serve.as_bytes()), (2, 9, 0.75));
 
         let triton = r#"# TYPE nv_trt_llm_request_metrics gauge
 nv_trt_llm_request_metrics{model="ensemble",request_type="waiting",version="1"} 4
@@ -320,20 +315,16 @@ nv_trt_llm_request_metrics{model="ensemble",request_type="active",version="1"} 1
 nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction",model="ensemble",version="1"} 0.3
 nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="ensemble",version="1"} 9000
 "#;
-        let load = parse_load(triton.as_bytes(), Millis(0)).unwrap();
-        assert_eq!((load.waiting, load.running, load.kv_usage), (4, 8, 0.3));
+        assert_eq!(load(triton.as_bytes()), (4, 8, 0.3));
     }
 
     #[test]
     fn missing_gauges_count_as_zero_and_out_of_range_values_are_clamped() {
-        let load = parse_load(
-            b"vllm:num_requests_running -3\nvllm:kv_cache_usage_perc +Inf\n",
-            Millis(0),
-        )
-        .unwrap();
-        assert_eq!((load.waiting, load.running, load.kv_usage), (0, 0, 1.0));
-        let load = parse_load(b"vllm:num_requests_waiting 1e12\n", Millis(0)).unwrap();
-        assert_eq!(load.waiting, u32::MAX);
+        assert_eq!(
+            load(b"vllm:num_requests_running -3\nvllm:kv_cache_usage_perc +Inf\n"),
+            (0, 0, 1.0)
+        );
+        assert_eq!(load(b"vllm:num_requests_waiting 1e12\n").0, u32::MAX);
     }
 
     #[test]
