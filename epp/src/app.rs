@@ -120,14 +120,28 @@ pub fn run(args: Args) -> Result<(), AppError> {
         scheduler_for_upkeep: upkeep,
         nodes: NodeIds::default(),
     });
-    let picker = Arc::new(Picker::new(
-        keyer,
-        scheduler,
-        Arc::clone(&state.index),
-        Arc::clone(&state.inflight),
-        Arc::clone(&state.loads),
-        Arc::clone(&state.datastore),
-    ));
+    let rewrites = match &args.model_rewrites {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| config_error(format!("{}: {e}", path.display())))?;
+            let rules = crate::routing::rewrite::RewriteRules::from_yaml(&text)
+                .map_err(|e| config_error(format!("{}: {e}", path.display())))?;
+            tracing::info!(rules = rules.rules.len(), path = %path.display(), "model rewrite rules loaded");
+            rules
+        }
+        None => crate::routing::rewrite::RewriteRules::default(),
+    };
+    let picker = Arc::new(
+        Picker::new(
+            keyer,
+            scheduler,
+            Arc::clone(&state.index),
+            Arc::clone(&state.inflight),
+            Arc::clone(&state.loads),
+            Arc::clone(&state.datastore),
+        )
+        .with_rewrites(rewrites),
+    );
     let readiness = Readiness::new();
     let stop = Arc::new(AtomicBool::new(false));
     let ingester = Ingester::new(Arc::clone(&state.index));
@@ -142,6 +156,7 @@ pub fn run(args: Args) -> Result<(), AppError> {
     let metrics_sources = crate::metrics::Sources {
         pool: args.pool_name.clone(),
         picker: picker.stats(),
+        router: Some(Arc::clone(&picker)),
         ingest: Some(ingester.stats()),
         scrape: Some(scraper.stats()),
         index: Arc::clone(&state.index),

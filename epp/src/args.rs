@@ -73,6 +73,12 @@ pub struct Args {
     /// Scheduler configuration file (YAML); built-in defaults when absent.
     #[arg(long, env = "KVGATE_CONFIG")]
     pub config: Option<PathBuf>,
+    /// Model rewrite rules (YAML `rules: [{model, targets: [{modelRewrite, weight}]}]`, GIE's
+    /// InferenceModelRewrite semantics): requests for `model` are served as a weighted choice
+    /// of targets, and responses carry the client's name back. The header
+    /// `x-gateway-model-name-rewrite` overrides them per request.
+    #[arg(long, env = "KVGATE_MODEL_REWRITES")]
+    pub model_rewrites: Option<PathBuf>,
     /// Tokenizer directory (tokenizer.json + tokenizer_config.json); approximate keys without.
     #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
     pub tokenizer_dir: Option<PathBuf>,

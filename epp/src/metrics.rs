@@ -10,7 +10,7 @@ use kv_index::KvIndex;
 
 use crate::discovery::Datastore;
 use crate::ingest::zmq_direct::IngestStats;
-use crate::routing::picker::PickerStats;
+use crate::routing::picker::{Picker, PickerStats};
 
 /// What the exposition reads.
 #[derive(Debug, Clone)]
@@ -27,7 +27,12 @@ pub struct Sources {
     pub index: Arc<KvIndex>,
     /// Endpoints (ready count).
     pub datastore: Arc<Datastore>,
+    /// The picker: per-request (GIE) metrics and the pool's engine load.
+    pub router: Option<Arc<Picker>>,
 }
+
+/// Engine load samples older than this are left out of the pool averages.
+const POOL_LOAD_MAX_AGE: kv_index::Millis = kv_index::Millis(5_000);
 
 fn get(a: &AtomicU64) -> u64 {
     a.load(Ordering::Relaxed)
@@ -164,12 +169,6 @@ pub fn render(s: &Sources) -> String {
         "Endpoints discovered.",
         endpoints.len() as f64,
     );
-    metric(
-        "inference_pool_ready_pods",
-        "gauge",
-        "GIE: ready endpoints in the pool.",
-        ready as f64,
-    );
     let blocks = get(&p.prompt_blocks);
     metric(
         "kvgate_epp_prefix_hit_ratio",
@@ -181,7 +180,92 @@ pub fn render(s: &Sources) -> String {
             get(&p.gpu_hit_blocks) as f64 / blocks as f64
         },
     );
+    let mut e = telemetry::Exposition::new();
+    #[allow(clippy::cast_precision_loss)]
+    e.single(
+        "inference_pool_ready_pods",
+        telemetry::Kind::Gauge,
+        "GIE: ready endpoints in the pool.",
+        &[("name", &s.pool)],
+        ready as f64,
+    );
+    if let Some(router) = &s.router {
+        pool_load(&mut e, router, &endpoints, &s.pool);
+        router.request_metrics().render(&mut e, &s.pool);
+    }
+    out.push_str(&e.finish());
     out
+}
+
+/// GIE's pool gauges: averages over ready endpoints with a fresh engine load sample.
+fn pool_load(
+    e: &mut telemetry::Exposition,
+    router: &Picker,
+    endpoints: &[scheduler::Endpoint],
+    pool: &str,
+) {
+    let now = router.now();
+    let samples: Vec<scheduler::EngineLoad> = endpoints
+        .iter()
+        .filter(|ep| ep.ready)
+        .filter_map(|ep| router.loads().fresh(ep.id, now, POOL_LOAD_MAX_AGE))
+        .collect();
+    #[allow(clippy::cast_precision_loss)]
+    let n = samples.len().max(1) as f64;
+    let avg = |f: &dyn Fn(&scheduler::EngineLoad) -> f64| samples.iter().map(f).sum::<f64>() / n;
+    let label = [("name", pool)];
+    use telemetry::Kind::Gauge;
+    e.single(
+        "inference_pool_average_kv_cache_utilization",
+        Gauge,
+        "GIE: mean KV-cache usage (0-1) of ready endpoints with a fresh sample.",
+        &label,
+        avg(&|l| l.kv_usage),
+    );
+    e.single(
+        "inference_pool_average_queue_size",
+        Gauge,
+        "GIE: mean engine queue length of ready endpoints with a fresh sample.",
+        &label,
+        avg(&|l| f64::from(l.waiting)),
+    );
+    e.single(
+        "inference_pool_average_running_requests",
+        Gauge,
+        "GIE: mean running requests of ready endpoints with a fresh sample.",
+        &label,
+        avg(&|l| f64::from(l.running)),
+    );
+    #[allow(clippy::cast_precision_loss)]
+    e.single(
+        "inference_extension_prefix_indexer_size",
+        Gauge,
+        "GIE: entries in the prefix index (kvgate: resident block-holder pairs).",
+        &[],
+        router.index_residencies() as f64,
+    );
+    let stats = router.stats();
+    let blocks = get(&stats.prompt_blocks);
+    #[allow(clippy::cast_precision_loss)]
+    e.single(
+        "inference_extension_prefix_indexer_hit_ratio",
+        Gauge,
+        "GIE: share of prompt blocks the chosen endpoint held, since start.",
+        &[],
+        if blocks == 0 {
+            0.0
+        } else {
+            get(&stats.gpu_hit_blocks) as f64 / blocks as f64
+        },
+    );
+    #[allow(clippy::cast_precision_loss)]
+    e.single(
+        "inference_extension_model_rewrite_decisions_total",
+        telemetry::Kind::Counter,
+        "GIE: requests served under a rewritten model name.",
+        &[],
+        get(&stats.model_rewrites) as f64,
+    );
 }
 
 /// Serves `/metrics` on `addr` until `shutdown`.
@@ -230,12 +314,13 @@ mod tests {
             scrape: Some(Arc::default()),
             index: Arc::new(KvIndex::new(kv_index::IndexConfig::default()).unwrap()),
             datastore: Arc::new(Datastore::new()),
+            router: None,
         };
         let text = render(&s);
         for want in [
             "kvgate_epp_requests_routed_total{pool=\"p_1\"} 3",
             "kvgate_epp_prefix_hit_ratio{pool=\"p_1\"} 0.4",
-            "inference_pool_ready_pods{pool=\"p_1\"} 0",
+            "inference_pool_ready_pods{name=\"p\\\"1\"} 0",
             "kvgate_epp_kv_event_gaps_total{pool=\"p_1\"} 0",
             "# TYPE kvgate_epp_index_residencies gauge",
         ] {

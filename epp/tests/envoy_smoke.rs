@@ -470,6 +470,7 @@ fn smoke_router(a: SocketAddr, b: SocketAddr, dead: SocketAddr) -> Arc<FakeRoute
             body: new_body,
             add_headers: vec![("x-prefiller-host-port".into(), "10.9.9.9:8000".into())],
             ticket: 0,
+            response_model: None,
         })
     })
 }

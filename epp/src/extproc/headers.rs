@@ -22,6 +22,9 @@ const CONTROL_HEADERS: &[&str] = &[
     "x-gateway-inference-fairness-id",
     "x-gateway-inference-objective",
     "x-gateway-model-name-rewrite",
+    "x-llm-d-inference-fairness-id",
+    "x-llm-d-inference-objective",
+    "x-llm-d-model-name-rewrite",
     "x-prefiller-host-port",
 ];
 

@@ -16,18 +16,22 @@
 //! - requests without a body are answered on the headers message;
 //! - the subset hint is read from `metadata_context` `envoy.lb.subset_hint` /
 //!   `x-gateway-destination-endpoint-subset`, the served endpoint from `envoy.lb` /
-//!   `x-gateway-destination-endpoint-served`.
+//!   `x-gateway-destination-endpoint-served`;
+//! - model rewrite: when the router served the request under another model name, response
+//!   bodies (streamed or buffered) get the client's name back and lose `content-length`.
 
 mod body;
 mod headers;
 mod immediate;
 mod metadata;
+mod rewrite;
 mod router;
 mod stream;
 mod usage;
 
 pub use body::MAX_CHUNK_BYTES;
-pub use router::{Decision, Rejection, ResponseEvent, Router, RoutingInput};
+pub use rewrite::ResponseRewriter;
+pub use router::{Decision, Rejection, ResponseEvent, ResponseModel, Router, RoutingInput};
 pub use stream::{BodyMode, ExtProcStream, StreamConfig, StreamError};
 
 /// Header carrying the pick, primary first (GIE `DestinationEndpointKey`).

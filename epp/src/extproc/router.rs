@@ -35,6 +35,17 @@ pub struct Decision {
     pub add_headers: Vec<(String, String)>,
     /// Handle for response-phase events.
     pub ticket: u64,
+    /// When the request was rewritten to another model: the names to swap back in the response.
+    pub response_model: Option<ResponseModel>,
+}
+
+/// The model names of a rewritten request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseModel {
+    /// The name the engine served (appears in its responses).
+    pub served: String,
+    /// The name the client asked for (what it must see).
+    pub client: String,
 }
 
 /// Why a request is answered by the EPP itself instead of being forwarded.

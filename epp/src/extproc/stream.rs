@@ -30,6 +30,7 @@ use super::body::{BodyBuffer, TooLarge, streamed_chunks};
 use super::headers::{RequestHead, find, mutation, set, value_of};
 use super::immediate::Refusal;
 use super::metadata::{destination, served_endpoint, subset_hint};
+use super::rewrite::ResponseRewriter;
 use super::router::{Decision, ResponseEvent, Router, RoutingInput};
 use super::usage::{Limits, Usage, UsageScanner};
 
@@ -197,6 +198,8 @@ enum ResponsePhase {
 struct Observer {
     ticket: Ticket,
     phase: ResponsePhase,
+    /// Swaps the served model name back to the client's, when the request was rewritten.
+    rewriter: Option<ResponseRewriter>,
 }
 
 /// How the pick is delivered, by request shape and mode.
@@ -487,6 +490,7 @@ impl ExtProcStream {
             endpoints,
             body: new_body,
             add_headers,
+            response_model,
             ..
         } = decision;
         let endpoints = endpoints.join(",");
@@ -523,6 +527,7 @@ impl ExtProcStream {
         self.response = Some(Observer {
             ticket,
             phase: ResponsePhase::AwaitingHeaders,
+            rewriter: response_model.map(|m| ResponseRewriter::new(&m.served, &m.client)),
         });
 
         match delivery {
@@ -574,9 +579,21 @@ impl ExtProcStream {
         h: &HttpHeaders,
         metadata: Option<&Metadata>,
     ) -> Vec<ProcessingResponse> {
+        // A rewritten body may change length: let it go out chunked (only when Envoy will send
+        // the body to be rewritten).
+        let rewriting = self.response_mode() != BodyMode::None
+            && self.response.as_ref().is_some_and(|o| o.rewriter.is_some());
+        let common = if rewriting {
+            CommonResponse {
+                header_mutation: Some(mutation(Vec::new(), &["content-length".to_owned()])),
+                ..Default::default()
+            }
+        } else {
+            CommonResponse::default()
+        };
         let reply = ProcessingResponse {
             response: Some(Response::ResponseHeaders(HeadersResponse {
-                response: Some(CommonResponse::default()),
+                response: Some(common),
             })),
             ..Default::default()
         };
@@ -613,6 +630,15 @@ impl ExtProcStream {
     }
 
     fn on_response_body(&mut self, b: HttpBody) -> Vec<ProcessingResponse> {
+        let mode = self.response_mode();
+        // Buffered modes deliver the whole body (or all Envoy will send) in this one message.
+        let last =
+            b.end_of_stream || matches!(mode, BodyMode::Buffered | BodyMode::BufferedPartial);
+        let rewritten = self
+            .response
+            .as_mut()
+            .and_then(|o| o.rewriter.as_mut())
+            .map(|rw| rw.feed(&b.body, last));
         let mut ended = false;
         if let Some(Observer {
             ticket,
@@ -621,6 +647,7 @@ impl ExtProcStream {
                     scanner,
                     first_byte_seen,
                 },
+            ..
         }) = self.response.as_mut()
         {
             if !*first_byte_seen && !b.body.is_empty() {
@@ -639,10 +666,10 @@ impl ExtProcStream {
         if ended {
             self.close(ResponseEvent::End);
         }
-        let reply = if self.response_mode() == BodyMode::FullDuplexStreamed {
+        let reply = if mode == BodyMode::FullDuplexStreamed {
             streamed(
                 StreamedBodyResponse {
-                    body: b.body,
+                    body: rewritten.unwrap_or(b.body),
                     end_of_stream: b.end_of_stream,
                     ..Default::default()
                 },
@@ -651,7 +678,12 @@ impl ExtProcStream {
         } else {
             ProcessingResponse {
                 response: Some(Response::ResponseBody(BodyResponse {
-                    response: Some(CommonResponse::default()),
+                    response: Some(CommonResponse {
+                        body_mutation: rewritten.map(|body| BodyMutation {
+                            mutation: Some(Mutation::Body(body)),
+                        }),
+                        ..Default::default()
+                    }),
                 })),
                 ..Default::default()
             }
@@ -660,16 +692,35 @@ impl ExtProcStream {
     }
 
     fn on_response_trailers(&mut self) -> Vec<ProcessingResponse> {
+        let mut out = Vec::new();
+        let held = self
+            .response
+            .as_mut()
+            .and_then(|o| o.rewriter.as_mut())
+            .map(ResponseRewriter::flush)
+            .unwrap_or_default();
+        if !held.is_empty() && self.response_mode() == BodyMode::FullDuplexStreamed {
+            out.push(streamed(
+                StreamedBodyResponse {
+                    body: held,
+                    end_of_stream: false,
+                    ..Default::default()
+                },
+                Response::ResponseBody,
+            ));
+        }
         if let Some(Observer {
             ticket,
             phase: ResponsePhase::Body { scanner, .. },
+            ..
         }) = self.response.as_mut()
             && let Some(u) = scanner.finish()
         {
             ticket.report(usage_event(u));
         }
         self.close(ResponseEvent::End);
-        vec![trailers_reply(Response::ResponseTrailers)]
+        out.push(trailers_reply(Response::ResponseTrailers));
+        out
     }
 
     fn close(&mut self, event: ResponseEvent) {

@@ -11,7 +11,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::extproc::metadata::tests::with;
-use crate::extproc::router::Rejection;
+use crate::extproc::router::{Rejection, ResponseModel};
 use crate::extproc::{MAX_CHUNK_BYTES, SUBSET_METADATA_KEY, SUBSET_METADATA_NAMESPACE};
 
 /// What the router was asked.
@@ -54,6 +54,7 @@ impl FakeRouter {
                 body: None,
                 add_headers: Vec::new(),
                 ticket: 0,
+                response_model: None,
             })
         })
     }
@@ -410,6 +411,7 @@ fn duplex_body_rewrite_sets_the_new_length() {
             body: Some(br#"{"model":"base-model-long-name"}"#.to_vec()),
             add_headers: vec![("X-Prefiller-Host-Port".into(), "10.0.0.9:8000".into())],
             ticket: 0,
+            response_model: None,
         })
     });
     let mut s = stream(&router);
@@ -498,6 +500,7 @@ fn buffered_rewrite_replaces_the_body_and_its_length() {
             body: Some(b"{\"model\":\"x\"}".to_vec()),
             add_headers: Vec::new(),
             ticket: 0,
+            response_model: None,
         })
     });
     let mut s = stream(&router);
@@ -753,6 +756,7 @@ fn unusable_decisions_are_503_and_their_ticket_is_aborted() {
                 body: None,
                 add_headers: Vec::new(),
                 ticket: 0,
+                response_model: None,
             })
         });
         let mut s = stream(&router);
@@ -1089,7 +1093,7 @@ proptest! {
             if reject {
                 Err(Rejection::TooManyRequests("busy".into()))
             } else {
-                Ok(Decision { endpoints: vec!["10.0.0.1:8000".into()], body: None, add_headers: Vec::new(), ticket: 0 })
+                Ok(Decision { endpoints: vec!["10.0.0.1:8000".into()], body: None, add_headers: Vec::new(), ticket: 0, response_model: None })
             }
         });
         let mut s = stream_with(&router, StreamConfig { max_body_bytes: 300_000, ..StreamConfig::default() });
@@ -1134,4 +1138,104 @@ proptest! {
         }
         prop_assert!(events.iter().all(|(id, _)| *id >= 1 && *id <= tickets));
     }
+}
+
+fn rewriting_router() -> Arc<FakeRouter> {
+    FakeRouter::new(|seen| {
+        let body = seen.body.clone().unwrap_or_default();
+        let text = String::from_utf8(body).unwrap();
+        Ok(Decision {
+            endpoints: vec!["10.0.0.1:8000".into()],
+            body: Some(text.replace("\"llama\"", "\"llama-lora-a\"").into_bytes()),
+            add_headers: Vec::new(),
+            ticket: 0,
+            response_model: Some(ResponseModel {
+                served: "llama-lora-a".into(),
+                client: "llama".into(),
+            }),
+        })
+    })
+}
+
+#[test]
+fn model_rewrite_round_trip_in_duplex_mode() {
+    let router = rewriting_router();
+    let mut s = stream(&router);
+    s.on_message(post(duplex())).unwrap();
+    let out = s
+        .on_message(req_body(br#"{"model":"llama","stream":true}"#, true))
+        .unwrap();
+    let sent = r#"{"model":"llama-lora-a","stream":true}"#;
+    assert_eq!(
+        set_headers(&out[0])["content-length"],
+        sent.len().to_string()
+    );
+    assert_eq!(streamed_chunk(&out[1]).body, sent.as_bytes());
+
+    let out = s
+        .on_message(resp_headers("200", "text/event-stream", false, None))
+        .unwrap();
+    assert!(
+        removed_headers(&out[0]).contains(&"content-length".to_owned()),
+        "a rewritten response body may change length"
+    );
+    // The served name straddles the chunk boundary.
+    let first = s
+        .on_message(resp_body(
+            b"data: {\"id\":\"1\",\"model\":\"llama-lo",
+            false,
+        ))
+        .unwrap();
+    let second = s
+        .on_message(resp_body(
+            b"ra-a\",\"choices\":[]}\n\ndata: [DONE]\n\n",
+            true,
+        ))
+        .unwrap();
+    let mut client = streamed_chunk(&first[0]).body.clone();
+    client.extend_from_slice(&streamed_chunk(&second[0]).body);
+    assert_eq!(
+        String::from_utf8(client).unwrap(),
+        "data: {\"id\":\"1\",\"model\":\"llama\",\"choices\":[]}\n\ndata: [DONE]\n\n"
+    );
+    assert!(streamed_chunk(&second[0]).end_of_stream);
+}
+
+#[test]
+fn model_rewrite_in_buffered_mode_mutates_the_whole_body() {
+    let router = rewriting_router();
+    let mut s = stream(&router);
+    s.on_message(post(modes(BodySendMode::Buffered, BodySendMode::Buffered)))
+        .unwrap();
+    s.on_message(req_body(br#"{"model":"llama"}"#, true))
+        .unwrap();
+    s.on_message(resp_headers("200", "application/json", false, None))
+        .unwrap();
+    let out = s
+        .on_message(resp_body(br#"{"model": "llama-lora-a","usage":{}}"#, true))
+        .unwrap();
+    let Some(Mutation::Body(body)) = common(&out[0])
+        .body_mutation
+        .as_ref()
+        .and_then(|m| m.mutation.as_ref())
+    else {
+        panic!("expected a body mutation: {out:?}");
+    };
+    assert_eq!(body.as_slice(), br#"{"model": "llama","usage":{}}"#);
+}
+
+#[test]
+fn held_back_bytes_are_released_before_response_trailers() {
+    let router = rewriting_router();
+    let mut s = stream(&router);
+    s.on_message(post(duplex())).unwrap();
+    s.on_message(req_body(br#"{"model":"llama"}"#, true))
+        .unwrap();
+    s.on_message(resp_headers("200", "application/json", false, None))
+        .unwrap();
+    let out = s.on_message(resp_body(b"{\"x\":1,\"mod", false)).unwrap();
+    assert_eq!(streamed_chunk(&out[0]).body, b"{\"x\":1,");
+    let out = s.on_message(resp_trailers()).unwrap();
+    assert_eq!(kinds(&out), ["response_body", "response_trailers"]);
+    assert_eq!(streamed_chunk(&out[0]).body, b"\"mod");
 }

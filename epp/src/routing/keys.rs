@@ -79,15 +79,36 @@ impl Keyer {
         self.block_size
     }
 
+    /// The model requests without a `model` field are for.
+    pub fn default_model(&self) -> &str {
+        &self.default_model
+    }
+
     /// Whether any model has a real tokenizer.
     pub fn has_tokenizers(&self) -> bool {
         !self.models.is_empty()
     }
 
-    /// Keys a parsed request.
+    /// Keys a parsed request for the model it names.
     pub fn key(&self, req: &ParsedRequest<'_>) -> Result<Keyed, TokenizeError> {
-        let model = req.model.as_deref().unwrap_or(&self.default_model);
-        let tok = self.models.get(model).unwrap_or(&self.fallback);
+        self.key_served(req, None)
+    }
+
+    /// Keys a parsed request that the engine serves as `served` (a model rewrite): tokenized
+    /// with the requested model's tokenizer when it has one (a LoRA adapter shares its base's),
+    /// keyed under the served name, as the engine caches it.
+    pub fn key_served(
+        &self,
+        req: &ParsedRequest<'_>,
+        served: Option<&str>,
+    ) -> Result<Keyed, TokenizeError> {
+        let requested = req.model.as_deref().unwrap_or(&self.default_model);
+        let model = served.unwrap_or(requested);
+        let tok = self
+            .models
+            .get(requested)
+            .or_else(|| self.models.get(model))
+            .unwrap_or(&self.fallback);
         let mut cache = CacheOutcome::default();
         let ids: Vec<u32> = match &req.input {
             Input::Prompt(Prompt::Text(t)) => tok.tokenizer.encode_prompt(t)?,

@@ -3,3 +3,5 @@
 pub mod keys;
 pub mod picker;
 pub mod request;
+pub mod rewrite;
+pub mod stats;

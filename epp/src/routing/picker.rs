@@ -1,9 +1,9 @@
-//! The routing brain: parse → key → schedule → record, behind the ext_proc layer's [`Router`]
-//! seam. Everything here is synchronous and bounded; it runs on the stream's task.
+//! The routing brain: parse → rewrite → key → schedule → record, behind the ext_proc layer's
+//! [`Router`] seam. Everything here is synchronous and bounded; it runs on the stream's task.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use kv_index::{KvIndex, Millis};
@@ -11,8 +11,10 @@ use scheduler::{InflightToken, InflightTracker, LoadBook, ScheduleRequest, Sched
 
 use super::keys::{Keyed, Keyer};
 use super::request::{self, Api};
+use super::rewrite::{REWRITE_HEADERS, RewriteRules, rewrite_request_body};
+use super::stats::{Completed, ErrorCode, RequestMetrics, Series};
 use crate::discovery::Datastore;
-use crate::extproc::{Decision, Rejection, ResponseEvent, Router, RoutingInput};
+use crate::extproc::{Decision, Rejection, ResponseEvent, ResponseModel, Router, RoutingInput};
 
 /// Expected output blocks for in-flight accounting when a request does not bound its output.
 const DEFAULT_DECODE_BLOCKS: u32 = 16;
@@ -32,6 +34,28 @@ pub struct PickerStats {
     pub gpu_hit_blocks: AtomicU64,
     /// Decisions, total nanoseconds (parse → pick).
     pub decision_nanos: AtomicU64,
+    /// Requests whose model was rewritten.
+    pub model_rewrites: AtomicU64,
+}
+
+/// What the picker remembers of a routed request until its response ends.
+#[derive(Debug)]
+struct OpenRequest {
+    token: InflightToken,
+    series: Arc<Series>,
+    routed: Instant,
+    first_byte: Option<Instant>,
+    status: u16,
+    usage: Option<(u32, u32, Option<u32>)>,
+}
+
+/// A request after parsing, rewriting and keying.
+struct Prepared {
+    keyed: Option<Keyed>,
+    /// The model the client asked for, and the one it is served as.
+    model: String,
+    served: String,
+    body: Option<Vec<u8>>,
 }
 
 /// Implements [`Router`] for one InferencePool.
@@ -39,14 +63,16 @@ pub struct PickerStats {
 pub struct Picker {
     keyer: Keyer,
     scheduler: Scheduler,
+    rewrites: RewriteRules,
     index: Arc<KvIndex>,
     inflight: Arc<InflightTracker>,
     loads: Arc<LoadBook>,
     datastore: Arc<Datastore>,
-    tickets: Mutex<HashMap<u64, InflightToken>>,
+    tickets: Mutex<HashMap<u64, OpenRequest>>,
     next_ticket: AtomicU64,
     epoch: Instant,
     stats: Arc<PickerStats>,
+    requests: Arc<RequestMetrics>,
 }
 
 impl Picker {
@@ -62,6 +88,7 @@ impl Picker {
         Self {
             keyer,
             scheduler,
+            rewrites: RewriteRules::default(),
             index,
             inflight,
             loads,
@@ -70,12 +97,35 @@ impl Picker {
             next_ticket: AtomicU64::new(1),
             epoch: Instant::now(),
             stats: Arc::default(),
+            requests: Arc::default(),
         }
+    }
+
+    /// Serves models under other names by `rules`.
+    #[must_use]
+    pub fn with_rewrites(mut self, rules: RewriteRules) -> Self {
+        self.rewrites = rules;
+        self
     }
 
     /// The counters.
     pub fn stats(&self) -> Arc<PickerStats> {
         Arc::clone(&self.stats)
+    }
+
+    /// The per-request (GIE) metrics.
+    pub fn request_metrics(&self) -> Arc<RequestMetrics> {
+        Arc::clone(&self.requests)
+    }
+
+    /// The load book the scheduler reads.
+    pub fn loads(&self) -> &LoadBook {
+        &self.loads
+    }
+
+    /// Resident (block, holder) pairs in the index.
+    pub fn index_residencies(&self) -> usize {
+        self.index.stats().residencies
     }
 
     /// The monotonic clock shared with the index and scheduler.
@@ -88,29 +138,87 @@ impl Picker {
         self.tickets.lock().map_or(0, |t| t.len())
     }
 
-    fn key(&self, input: &RoutingInput<'_>) -> Result<Option<Keyed>, Rejection> {
+    fn prepare(
+        &self,
+        input: &RoutingInput<'_>,
+        ticket: u64,
+    ) -> Result<Prepared, (Rejection, String)> {
         let api = Api::of_path(input.path);
         let (Some(body), Api::Completions | Api::Chat) = (input.body, api) else {
-            return Ok(None);
+            return Ok(Prepared {
+                keyed: None,
+                model: String::new(),
+                served: String::new(),
+                body: None,
+            });
         };
-        let parsed = request::parse(api, body).map_err(|e| Rejection::BadRequest(e.to_string()))?;
-        let keyed = self.keyer.key(&parsed).map_err(|e| {
-            if e.is_client_error() {
-                Rejection::BadRequest(e.to_string())
-            } else {
-                Rejection::Unavailable(format!("tokenization failed: {e}"))
-            }
-        })?;
-        Ok(Some(keyed))
+        let parsed = request::parse(api, body)
+            .map_err(|e| (Rejection::BadRequest(e.to_string()), String::new()))?;
+        let model = parsed
+            .model
+            .as_deref()
+            .unwrap_or(self.keyer.default_model())
+            .to_owned();
+        let header = input
+            .headers
+            .iter()
+            .find(|(k, _)| REWRITE_HEADERS.contains(&k.as_str()))
+            .map(|(_, v)| v.as_str());
+        let draw = xxhash_rust::xxh3::xxh3_64(&ticket.to_le_bytes());
+        let target = self
+            .rewrites
+            .target(&model, header, draw)
+            .map(str::to_owned);
+        let new_body = match &target {
+            Some(t) => Some(
+                rewrite_request_body(body, t)
+                    .map_err(|e| (Rejection::BadRequest(e.to_string()), model.clone()))?,
+            ),
+            None => None,
+        };
+        let keyed = self
+            .keyer
+            .key_served(&parsed, target.as_deref())
+            .map_err(|e| {
+                let r = if e.is_client_error() {
+                    Rejection::BadRequest(e.to_string())
+                } else {
+                    Rejection::Unavailable(format!("tokenization failed: {e}"))
+                };
+                (r, model.clone())
+            })?;
+        let served = target.unwrap_or_else(|| model.clone());
+        Ok(Prepared {
+            keyed: Some(keyed),
+            model,
+            served,
+            body: new_body,
+        })
+    }
+
+    fn reject(&self, rejection: Rejection, model: &str) -> Rejection {
+        let code = match rejection {
+            Rejection::BadRequest(_) => ErrorCode::BadRequest,
+            Rejection::PayloadTooLarge(_) => ErrorCode::PayloadTooLarge,
+            Rejection::TooManyRequests(_) => ErrorCode::ResourceExhausted,
+            Rejection::Unavailable(_) => ErrorCode::ServiceUnavailable,
+        };
+        self.requests.on_rejected(model, code);
+        rejection
     }
 }
 
 impl Router for Picker {
     fn route(&self, input: RoutingInput<'_>) -> Result<Decision, Rejection> {
         let started = Instant::now();
-        let keyed = self.key(&input)?;
+        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        let prepared = match self.prepare(&input, ticket) {
+            Ok(p) => p,
+            Err((rejection, model)) => return Err(self.reject(rejection, &model)),
+        };
+        let keyed = &prepared.keyed;
         let endpoints = self.datastore.snapshot();
-        let (keys, prompt_tokens, model) = match &keyed {
+        let (keys, prompt_tokens, model) = match keyed {
             Some(k) => (&k.keys[..], k.prompt_tokens, k.model.as_str()),
             None => (&[][..], 0, ""),
         };
@@ -121,23 +229,41 @@ impl Router for Picker {
             subset: input.subset.as_deref(),
             now: self.now(),
         };
-        let decision = self
-            .scheduler
-            .schedule(&req, &endpoints, &self.index, &self.inflight, &self.loads)
-            .map_err(|e| Rejection::Unavailable(e.to_string()))?;
+        let scheduling = Instant::now();
+        let scheduled =
+            self.scheduler
+                .schedule(&req, &endpoints, &self.index, &self.inflight, &self.loads);
+        self.requests
+            .on_scheduled(scheduled.is_ok(), scheduling.elapsed());
+        let decision = match scheduled {
+            Ok(d) => d,
+            Err(e) => {
+                return Err(self.reject(Rejection::Unavailable(e.to_string()), &prepared.model));
+            }
+        };
         let token = self.inflight.on_routed(
             decision.primary.endpoint,
             decision.prompt_blocks,
             decision.uncached_blocks,
             DEFAULT_DECODE_BLOCKS,
         );
-        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
-        if let Ok(mut t) = self.tickets.lock() {
-            t.insert(ticket, token);
-        }
+        let series = self.requests.series(&prepared.model, &prepared.served);
+        series.on_routed(input.body.map_or(0, <[u8]>::len));
+        let open = OpenRequest {
+            token,
+            series,
+            routed: started,
+            first_byte: None,
+            status: 0,
+            usage: None,
+        };
+        self.tickets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(ticket, open);
         let s = &self.stats;
         s.routed.fetch_add(1, Ordering::Relaxed);
-        if let Some(k) = &keyed {
+        if let Some(k) = keyed {
             let counter = if k.exact {
                 &s.exact_keys
             } else {
@@ -166,45 +292,78 @@ impl Router for Picker {
             .endpoints()
             .map(|p| p.address.to_string())
             .collect();
+        let took = started.elapsed();
         s.decision_nanos.fetch_add(
-            u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
+            u64::try_from(took.as_nanos()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
+        self.requests.decision.observe_duration(took);
+        let response_model = prepared.body.is_some().then(|| {
+            s.model_rewrites.fetch_add(1, Ordering::Relaxed);
+            ResponseModel {
+                served: prepared.served.clone(),
+                client: prepared.model.clone(),
+            }
+        });
         tracing::debug!(
             request_id = input.request_id.unwrap_or("-"),
             endpoint = %decision.primary.address,
             reason = decision.reason.as_str(),
+            model = prepared.model.as_str(),
+            served_as = prepared.served.as_str(),
             prompt_blocks = decision.prompt_blocks,
             uncached_blocks = decision.uncached_blocks,
             "routed"
         );
         Ok(Decision {
             endpoints,
-            body: None,
+            body: prepared.body,
             add_headers,
             ticket,
+            response_model,
         })
     }
 
     fn on_response(&self, ticket: u64, event: ResponseEvent) {
+        let mut tickets = self.tickets.lock().unwrap_or_else(PoisonError::into_inner);
         match event {
+            ResponseEvent::Headers { status, .. } => {
+                if let Some(open) = tickets.get_mut(&ticket) {
+                    open.status = status;
+                }
+            }
             ResponseEvent::FirstByte => {
-                let token = self
-                    .tickets
-                    .lock()
-                    .ok()
-                    .and_then(|t| t.get(&ticket).copied());
-                if let Some(token) = token {
-                    self.inflight.on_first_token(token);
+                if let Some(open) = tickets.get_mut(&ticket) {
+                    open.first_byte.get_or_insert_with(Instant::now);
+                    self.inflight.on_first_token(open.token);
+                }
+            }
+            ResponseEvent::Usage {
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+            } => {
+                if let Some(open) = tickets.get_mut(&ticket) {
+                    open.usage = Some((prompt_tokens, completion_tokens, cached_tokens));
                 }
             }
             ResponseEvent::End | ResponseEvent::Aborted => {
-                let token = self.tickets.lock().ok().and_then(|mut t| t.remove(&ticket));
-                if let Some(token) = token {
-                    self.inflight.on_finished(token);
+                let Some(open) = tickets.remove(&ticket) else {
+                    return;
+                };
+                drop(tickets);
+                self.inflight.on_finished(open.token);
+                if event == ResponseEvent::End {
+                    open.series.on_completed(&Completed {
+                        duration: open.routed.elapsed(),
+                        ttft: open.first_byte.map(|t| t.duration_since(open.routed)),
+                        usage: open.usage,
+                        status: open.status,
+                    });
+                } else {
+                    open.series.on_aborted();
                 }
             }
-            ResponseEvent::Headers { .. } | ResponseEvent::Usage { .. } => {}
         }
     }
 }
@@ -309,5 +468,66 @@ mod tests {
                 .status(),
             503
         );
+    }
+
+    #[test]
+    fn model_rewrites_change_the_body_the_keys_and_the_metrics() {
+        let (p, _) = picker(2);
+        let rules = crate::routing::rewrite::RewriteRules::from_yaml(
+            "rules: [{model: m, targets: [{modelRewrite: m-lora}]}]",
+        )
+        .unwrap();
+        let p = p.with_rewrites(rules);
+        let body = br#"{"model":"m","prompt":"abcdefghijklmnop"}"#;
+        let d = p.route(input("/v1/completions", Some(body), None)).unwrap();
+        assert_eq!(
+            d.body.as_deref(),
+            Some(&br#"{"model":"m-lora","prompt":"abcdefghijklmnop"}"#[..])
+        );
+        assert_eq!(
+            d.response_model,
+            Some(ResponseModel {
+                served: "m-lora".into(),
+                client: "m".into()
+            })
+        );
+        p.on_response(
+            d.ticket,
+            ResponseEvent::Headers {
+                status: 200,
+                served: None,
+            },
+        );
+        p.on_response(d.ticket, ResponseEvent::FirstByte);
+        p.on_response(
+            d.ticket,
+            ResponseEvent::Usage {
+                prompt_tokens: 4,
+                completion_tokens: 3,
+                cached_tokens: Some(0),
+            },
+        );
+        p.on_response(d.ticket, ResponseEvent::End);
+        // The header beats the rules; naming the requested model itself means no rewrite.
+        let headers = [("x-gateway-model-name-rewrite".to_owned(), "m".to_owned())];
+        let mut inp = input("/v1/completions", Some(body), None);
+        inp.headers = &headers;
+        let plain = p.route(inp).unwrap();
+        assert_eq!(plain.body, None);
+        assert_eq!(plain.response_model, None);
+        p.on_response(plain.ticket, ResponseEvent::Aborted);
+
+        let mut e = telemetry::Exposition::new();
+        p.request_metrics().render(&mut e, "pool");
+        let text = e.finish();
+        for want in [
+            "inference_objective_request_total{model_name=\"m\",target_model_name=\"m-lora\"} 1",
+            "inference_objective_request_total{model_name=\"m\",target_model_name=\"m\"} 1",
+            "inference_objective_output_tokens_sum{model_name=\"m\",target_model_name=\"m-lora\"} 3",
+            "error_code=\"Aborted\"} 1",
+        ] {
+            assert!(text.contains(want), "missing {want}\n{text}");
+        }
+        assert_eq!(p.stats().model_rewrites.load(Ordering::Relaxed), 1);
     }
 }

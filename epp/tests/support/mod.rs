@@ -97,6 +97,7 @@ pub fn decision(endpoints: &[String]) -> Decision {
         body: None,
         add_headers: Vec::new(),
         ticket: 0,
+        response_model: None,
     }
 }
 
