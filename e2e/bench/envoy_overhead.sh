@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Latency Envoy+EPP adds over Envoy routing directly, and EPP CPU per request, in one run:
+# one Envoy with two listeners ("direct" and "epp") in front of the same kvgate-sim, the EPP
+# (release build, real Qwen3 tokenizer when bootstrapped) on the "epp" listener's ext_proc, and
+# wrk alternating between the two listeners. Figures go to docs/benchmarks.md.
+#
+#   e2e/bench/envoy_overhead.sh [seconds-per-run]      (default 10)
+#
+# Cases: 8 KB and 220 KB bodies at concurrency 1 and 150 (direct vs epp), then EPP CPU per
+# request with ~100k-token prompts at concurrency 8, multi-turn (shared history, new last turn)
+# and cold (every prompt new).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+secs=${1:-10}
+target=${CARGO_TARGET_DIR:-$root/target}
+command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install -y wrk)"; exit 2; }
+cargo build -q --release -p kvgate-e2e --bin kvgate-sim -p kvgate-epp --bin kvgate-epp
+envoy=$(ls "$root"/.venv/lib/python3*/site-packages/envoy/_bin/envoy)
+tok="$root/.cache/tokenizers/qwen3/package/models"
+run=$(mktemp -d /tmp/kvgate-overhead.XXXXXX)
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+pids=()
+cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+sim=$(port)
+RUST_LOG=warn "$target/release/kvgate-sim" --host 127.0.0.1 --port "$sim" --model m --time-scale 1000 \
+  --max-num-seqs 512 --max-waiting 0 --max-model-len 1000000 --num-gpu-blocks-override 400000 \
+  --max-num-batched-tokens 1000000 > "$run/sim.log" 2>&1 &
+pids+=($!)
+printf 'endpoints:\n  - {name: sim-0, address: 127.0.0.1, ports: [%s]}\n' "$sim" > "$run/endpoints.yaml"
+ext=$(port); health=$(port); metrics=$(port); direct=$(port); epp=$(port); admin=$(port)
+tokargs=()
+[ -f "$tok/tokenizer.json" ] && tokargs=(--tokenizer-dir "$tok")
+RUST_LOG=warn "$target/release/kvgate-epp" --pool-name bench --discovery file --endpoints-file "$run/endpoints.yaml" \
+  --plaintext --grpc-port "$ext" --grpc-health-port "$health" --metrics-port "$metrics" --model m \
+  "${tokargs[@]}" > "$run/epp.log" 2>&1 &
+epp_pid=$!; pids+=($epp_pid)
+sed -e "s/@ADMIN@/$admin/; s/@DIRECT@/$direct/; s/@EPP@/$epp/; s/@EXTPROC@/$ext/; s/@SIM@/$sim/g" \
+  "$root/e2e/bench/envoy_overhead.yaml.in" > "$run/envoy.yaml"
+"$envoy" -c "$run/envoy.yaml" --log-level warn --concurrency 1 > "$run/envoy.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do curl -sf "http://127.0.0.1:$admin/ready" >/dev/null && break; sleep 0.1; done
+for _ in $(seq 100); do curl -sf -o /dev/null "http://127.0.0.1:$epp/v1/models" && break; sleep 0.2; done
+
+# wrk: $1 port, $2 connections, $3 body bytes, $4 history(0/1), $5 seconds → "RESULT …" line.
+load() {
+  BODY_BYTES=$3 HISTORY=$4 wrk -t"$(( $2 < 2 ? 1 : 2 ))" -c"$2" -d"${5:-$secs}s" --latency --timeout 60s \
+    -s "$root/e2e/bench/overhead.lua" "http://127.0.0.1:$1" 2>&1 | grep '^RESULT' || echo "RESULT failed"
+}
+field() { sed -n "s/.*$1=\([0-9]*\).*/\1/p" <<<"$2"; }
+echo "machine: $(nproc) cores, $(uname -r); envoy --concurrency 1; sim --time-scale 1000"
+echo "tokenizer: ${tokargs[*]:-byte fallback}; ${secs}s per run; warm-up 3s per case"
+printf '%-8s %-4s %-7s %9s %9s %9s %9s %9s %9s %8s\n' body conc path p50_ms p99_ms reqs added_p50 added_p99 non2xx
+for size in 8192 225280; do
+  for conc in 1 150; do
+    load "$direct" "$conc" "$size" 0 3 >/dev/null; load "$epp" "$conc" "$size" 0 3 >/dev/null
+    d=$(load "$direct" "$conc" "$size" 0); e=$(load "$epp" "$conc" "$size" 0)
+    for which in direct epp; do
+      r=$([ $which = direct ] && echo "$d" || echo "$e")
+      p50=$(field p50_us "$r"); p99=$(field p99_us "$r")
+      add50=""; add99=""
+      if [ $which = epp ]; then
+        add50=$(python3 -c "print(f'{($(field p50_us "$e")-$(field p50_us "$d"))/1000:.2f}')")
+        add99=$(python3 -c "print(f'{($(field p99_us "$e")-$(field p99_us "$d"))/1000:.2f}')")
+      fi
+      printf '%-8s %-4s %-7s %9s %9s %9s %9s %9s %8s\n' "$size" "$conc" "$which" \
+        "$(python3 -c "print(f'{${p50:-0}/1000:.2f}')")" "$(python3 -c "print(f'{${p99:-0}/1000:.2f}')")" \
+        "$(field requests "$r")" "$add50" "$add99" "$(field non2xx "$r")"
+    done
+  done
+done
+
+# EPP CPU per request, ~100k-token prompts (≈ 560 KB of text with the Qwen3 tokenizer).
+ticks() { awk '{print $14+$15}' "/proc/$epp_pid/stat"; }
+hz=$(getconf CLK_TCK)
+for hist in 1 0; do
+  label=$([ $hist = 1 ] && echo "multi-turn (shared history)" || echo "cold (every prompt new)")
+  load "$epp" 8 573440 "$hist" 3 >/dev/null
+  t0=$(ticks); r=$(load "$epp" 8 573440 "$hist"); t1=$(ticks)
+  n=$(field requests "$r")
+  python3 -c "n=max(${n:-0},1); cpu=($t1-$t0)/$hz; print(f'100k-token prompts, {\"$label\"}: {n} requests, EPP CPU {cpu:.2f} s, {cpu/n*1000:.2f} ms = {cpu/n:.4f} core*s per request; p50 {$(field p50_us "$r")/1000:.1f} ms, p99 {$(field p99_us "$r")/1000:.1f} ms')"
+done
+m=$(curl -s "http://127.0.0.1:$metrics/metrics")
+echo "EPP decisions: $(echo "$m" | awk '/^kvgate_epp_requests_routed_total/ {print $2}') routed; keys exact $(echo "$m" | awk '/^kvgate_epp_keys_exact_total/ {print $2}')"
+echo "logs in $run"
