@@ -6,17 +6,27 @@
 //! and chat template (`.cache/tokenizers/qwen3/package/models`, or `KVGATE_TOKENIZER_DIR`).
 //! Prompts are chats of seeded English-like text.
 //!
-//! Scenarios:
-//! - `8k warm`: a conversation of ~8,000 tokens whose earlier turns the EPP has already seen
-//!   (the multi-turn case the segment cache is for): only the new user turn is tokenized.
-//! - `8k cold`: a conversation never seen before: everything is tokenized.
-//! - `100k warm` / `100k cold`: the same at ~100,000 tokens.
+//! Scenarios, each at ~8,000 and ~100,000 prompt tokens:
+//! - `warm`: the EPP routed this conversation's previous request, and the new request adds a
+//!   short user question (~40 tokens): every earlier segment comes from the segment cache.
+//! - `new turn`: as `warm`, but the request also carries the assistant's previous answer, which
+//!   the EPP never saw (~250 tokens), and a long new user turn (~450 tokens): ~700 new tokens.
+//! - `cold`: a conversation never seen before: everything is tokenized.
 //!
 //! Run: `cargo bench -p kvgate-epp --bench decision` (`-- 8k` or `-- 100k` for one size).
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    clippy::cast_possible_truncation,
+    clippy::cast_precision_loss,
+    clippy::cast_sign_loss
+)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,14 +45,83 @@ const BLOCK: usize = 16;
 const MODEL: &str = "Qwen/Qwen3-0.6B";
 
 const WORDS: &[&str] = &[
-    "the", "cache", "request", "model", "token", "prefix", "server", "gateway", "route", "block",
-    "memory", "latency", "cluster", "policy", "engine", "decode", "prefill", "batch", "queue",
-    "stream", "user", "system", "answer", "question", "data", "value", "index", "node", "pod",
-    "service", "deploy", "scale", "update", "config", "result", "error", "retry", "timeout",
-    "network", "storage", "compute", "weight", "layer", "attention", "context", "window",
-    "summary", "report", "document", "paragraph", "analysis", "describe", "explain", "compare",
-    "and", "of", "to", "in", "with", "for", "on", "by", "from", "about", "into", "over", "under",
-    "between", "through", "quickly", "carefully", "large", "small", "fast", "slow", "new", "old",
+    "the",
+    "cache",
+    "request",
+    "model",
+    "token",
+    "prefix",
+    "server",
+    "gateway",
+    "route",
+    "block",
+    "memory",
+    "latency",
+    "cluster",
+    "policy",
+    "engine",
+    "decode",
+    "prefill",
+    "batch",
+    "queue",
+    "stream",
+    "user",
+    "system",
+    "answer",
+    "question",
+    "data",
+    "value",
+    "index",
+    "node",
+    "pod",
+    "service",
+    "deploy",
+    "scale",
+    "update",
+    "config",
+    "result",
+    "error",
+    "retry",
+    "timeout",
+    "network",
+    "storage",
+    "compute",
+    "weight",
+    "layer",
+    "attention",
+    "context",
+    "window",
+    "summary",
+    "report",
+    "document",
+    "paragraph",
+    "analysis",
+    "describe",
+    "explain",
+    "compare",
+    "and",
+    "of",
+    "to",
+    "in",
+    "with",
+    "for",
+    "on",
+    "by",
+    "from",
+    "about",
+    "into",
+    "over",
+    "under",
+    "between",
+    "through",
+    "quickly",
+    "carefully",
+    "large",
+    "small",
+    "fast",
+    "slow",
+    "new",
+    "old",
 ];
 
 /// A tiny seeded generator (xorshift), so inputs are the same on every run.
@@ -71,14 +150,19 @@ impl Rng {
     }
 }
 
-/// A conversation of `turns` user/assistant pairs and a final user turn.
-fn conversation(rng: &mut Rng, words_per_turn: usize, turns: usize) -> Vec<serde_json::Value> {
+/// A conversation of `turns` user/assistant pairs and a final user turn of `last` words.
+fn conversation(
+    rng: &mut Rng,
+    words_per_turn: usize,
+    turns: usize,
+    last: usize,
+) -> Vec<serde_json::Value> {
     let mut m = vec![json!({"role": "system", "content": rng.text(60)})];
     for _ in 0..turns {
         m.push(json!({"role": "user", "content": rng.text(words_per_turn)}));
         m.push(json!({"role": "assistant", "content": rng.text(words_per_turn / 2)}));
     }
-    m.push(json!({"role": "user", "content": rng.text(words_per_turn)}));
+    m.push(json!({"role": "user", "content": rng.text(last)}));
     m
 }
 
@@ -90,14 +174,14 @@ fn tokenizer_dir() -> Option<PathBuf> {
     if let Ok(d) = std::env::var("KVGATE_TOKENIZER_DIR") {
         return Some(PathBuf::from(d));
     }
-    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../.cache/tokenizers/qwen3/package/models");
+    let here =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/tokenizers/qwen3/package/models");
     here.join("tokenizer.json").exists().then_some(here)
 }
 
 /// The picker over a populated index. Routing the previous turn leaves its blocks speculated on
 /// the chosen endpoint, as serving it would.
-fn setup(dir: &PathBuf) -> Picker {
+fn setup(dir: &Path) -> Picker {
     let tok = tokenize::TextTokenizer::from_dir(dir).expect("tokenizer");
     let keyer = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL)
         .with_model(MODEL, ModelTokenizer::new(tok, 256 << 20));
@@ -106,7 +190,9 @@ fn setup(dir: &PathBuf) -> Picker {
         .map(|i| {
             let key = (format!("pod-{i}"), 8000);
             let id = ds.id_for(&key);
-            let addr = format!("10.0.{}.{}:8000", i / 250, i % 250).parse().unwrap();
+            let addr = format!("10.0.{}.{}:8000", i / 250, i % 250)
+                .parse()
+                .unwrap();
             (key, Endpoint::new(id, addr))
         })
         .collect();
@@ -161,7 +247,7 @@ fn report(name: &str, tokens: usize, mut samples: Vec<Duration>) {
         samples[i].as_secs_f64() * 1e6
     };
     println!(
-        "{name:<10} ~{tokens:>6} tokens  n={:<4} p50 {:>9.1} µs  p90 {:>9.1} µs  p99 {:>9.1} µs  max {:>9.1} µs",
+        "{name:<14} ~{tokens:>6} tokens  n={:<4} p50 {:>9.1} µs  p90 {:>9.1} µs  p99 {:>9.1} µs  max {:>9.1} µs",
         samples.len(),
         pct(0.5),
         pct(0.9),
@@ -171,35 +257,99 @@ fn report(name: &str, tokens: usize, mut samples: Vec<Duration>) {
 }
 
 /// Approximate prompt tokens of a conversation, from the tokenizer.
-fn count_tokens(dir: &PathBuf, messages: &[serde_json::Value]) -> usize {
+fn count_tokens(dir: &Path, messages: &[serde_json::Value]) -> usize {
     let tok = tokenize::TextTokenizer::from_dir(dir).unwrap();
     tok.encode_chat(messages, &tokenize::ChatOptions::default())
         .map(|ids| ids.len())
         .unwrap_or(0)
 }
 
-fn scenario(dir: &PathBuf, label: &str, words_per_turn: usize, turns: usize, n_warm: usize, n_cold: usize) {
+fn scenario(dir: &Path, label: &str, words_per_turn: usize, turns: usize, n: usize, n_cold: usize) {
     let picker = setup(dir);
     let mut rng = Rng(0xc0ffee ^ words_per_turn as u64);
-    let sample = conversation(&mut rng, words_per_turn, turns);
+    let sample = conversation(&mut rng, words_per_turn, turns, words_per_turn);
     let tokens = count_tokens(dir, &sample);
 
-    // Warm: the history was seen in the previous turn's request; the new turn is not.
-    let mut warm = Vec::with_capacity(n_warm);
-    for _ in 0..n_warm {
-        let full = conversation(&mut rng, words_per_turn, turns);
-        let previous = &full[..full.len() - 2];
-        let _ = route(&picker, &body(previous));
-        warm.push(route(&picker, &body(&full)));
-    }
+    // Warm: the previous request was [.., assistant_k-1, user_k]; this one adds the assistant's
+    // answer to it only if `unseen_reply`, then the new user turn.
+    let mut run = |short: bool| {
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let last = if short { 30 } else { words_per_turn };
+            let full = conversation(&mut rng, words_per_turn, turns, last);
+            let previous: Vec<serde_json::Value> = if short {
+                // The answer was seen: it is part of what the EPP tokenized before (a retry, or
+                // an answer observed on the response path).
+                full[..full.len() - 1].to_vec()
+            } else {
+                full[..full.len() - 2].to_vec()
+            };
+            let _ = route(&picker, &body(&previous));
+            out.push(route(&picker, &body(&full)));
+        }
+        out
+    };
+    let warm = run(true);
     report(&format!("{label} warm"), tokens, warm);
+    let new_turn = run(false);
+    report(&format!("{label} new turn"), tokens, new_turn);
 
     let mut cold = Vec::with_capacity(n_cold);
     for _ in 0..n_cold {
-        let full = conversation(&mut rng, words_per_turn, turns);
+        let full = conversation(&mut rng, words_per_turn, turns, words_per_turn);
         cold.push(route(&picker, &body(&full)));
     }
     report(&format!("{label} cold"), tokens, cold);
+}
+
+/// Where a warm 8k decision spends its time: each stage timed alone on the same inputs.
+fn breakdown(dir: &Path) {
+    use kvgate_epp::routing::request::{Api, Input, parse};
+    let tok = tokenize::TextTokenizer::from_dir(dir).unwrap();
+    let cache = tokenize::SegmentCache::new(256 << 20);
+    let mut rng = Rng(0xbeef);
+    let convs: Vec<_> = (0..50)
+        .map(|_| conversation(&mut rng, 400, 12, 400))
+        .collect();
+    let bodies: Vec<_> = convs.iter().map(|c| body(c)).collect();
+    let opts = tokenize::ChatOptions {
+        add_generation_prompt: true,
+        ..Default::default()
+    };
+    for c in &convs {
+        let _ = tok.encode_chat_cached(c, &opts, &cache).unwrap();
+    }
+    let time = |name: &str, f: &dyn Fn(usize)| {
+        let mut v: Vec<Duration> = (0..bodies.len())
+            .map(|i| {
+                let t = Instant::now();
+                f(i);
+                t.elapsed()
+            })
+            .collect();
+        v.sort_unstable();
+        println!(
+            "  {name:<28} p50 {:>8.1} µs",
+            v[v.len() / 2].as_secs_f64() * 1e6
+        );
+    };
+    time("parse body", &|i| {
+        let _ = parse(Api::Chat, &bodies[i]).unwrap();
+    });
+    time("render chat template", &|i| {
+        let _ = tok.render_chat(&convs[i], &opts).unwrap();
+    });
+    time("render + cached encode", &|i| {
+        let _ = tok.encode_chat_cached(&convs[i], &opts, &cache).unwrap();
+    });
+    let ids: Vec<Vec<u32>> = convs
+        .iter()
+        .map(|c| tok.encode_chat_cached(c, &opts, &cache).unwrap().0)
+        .collect();
+    time("block keys", &|i| {
+        let _ = kv_events::key::block_keys(kv_events::KeySeed::new(MODEL, None), &ids[i], BLOCK);
+    });
+    let _ = Input::Prompt;
 }
 
 fn main() {
@@ -217,6 +367,10 @@ fn main() {
         .find(|a| !a.starts_with('-'))
         .unwrap_or_default();
     println!("decision cost: Picker::route, {ENDPOINTS} endpoints, block {BLOCK}, one thread");
+    if which == "breakdown" {
+        breakdown(&dir);
+        return;
+    }
     if which.is_empty() || which == "8k" {
         // ~8k tokens: 12 turns of 400 words (user) + 200 (assistant).
         scenario(&dir, "8k", 400, 12, 300, 100);

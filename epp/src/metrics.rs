@@ -260,6 +260,14 @@ fn pool_load(
     );
     #[allow(clippy::cast_precision_loss)]
     e.single(
+        "kvgate_epp_requests_shed_total",
+        telemetry::Kind::Counter,
+        "Sheddable requests (objective priority < 0) refused with 429 while the pool was saturated.",
+        &[],
+        get(&stats.shed) as f64,
+    );
+    #[allow(clippy::cast_precision_loss)]
+    e.single(
         "inference_extension_model_rewrite_decisions_total",
         telemetry::Kind::Counter,
         "GIE: requests served under a rewritten model name.",

@@ -251,6 +251,34 @@ pub struct SchedulerConfig {
     pub engine_load: EngineLoadConfig,
     /// Decode-first P/D.
     pub disaggregation: Disaggregation,
+    /// When sheddable requests (objective priority < 0) are refused.
+    pub admission: Admission,
+}
+
+/// GIE's saturation rule: an endpoint is saturated when its engine reports a queue of at least
+/// `queue_depth_threshold` or a KV-cache usage of at least `kv_usage_threshold`; the pool is
+/// saturated when every ready endpoint that could take the request is. Sheddable requests
+/// (InferenceObjective priority below 0) are refused with 429 while the pool is saturated.
+///
+/// Unlike GIE, an endpoint without a fresh engine sample counts as *not* saturated: the EPP's
+/// own in-flight accounting still steers load, and an EPP without engine metrics must not shed
+/// everything.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Admission {
+    /// Engine queue length at which an endpoint is saturated.
+    pub queue_depth_threshold: u32,
+    /// Engine KV-cache usage (0..=1) at which an endpoint is saturated.
+    pub kv_usage_threshold: f64,
+}
+
+impl Default for Admission {
+    fn default() -> Self {
+        Self {
+            queue_depth_threshold: 5,
+            kv_usage_threshold: 0.8,
+        }
+    }
 }
 
 impl Default for SchedulerConfig {
@@ -266,6 +294,7 @@ impl Default for SchedulerConfig {
             approximate: Approximate::default(),
             engine_load: EngineLoadConfig::default(),
             disaggregation: Disaggregation::default(),
+            admission: Admission::default(),
         }
     }
 }
@@ -397,6 +426,13 @@ impl SchedulerConfig {
             1.0,
             f64::MAX,
             "at least 1",
+        )?;
+        check(
+            "admission.kv_usage_threshold",
+            self.admission.kv_usage_threshold,
+            0.0,
+            1.0,
+            "a fraction in 0..=1",
         )?;
         Ok(())
     }

@@ -67,8 +67,8 @@ mod rng;
 mod scheduler;
 
 pub use config::{
-    Approximate, BoundedLoad, ConfigError, Disaggregation, EngineLoadConfig, MAX_FALLBACKS, Policy,
-    SchedulerConfig, Speculation, TierCredit, UnknownPolicy, Weights,
+    Admission, Approximate, BoundedLoad, ConfigError, Disaggregation, EngineLoadConfig,
+    MAX_FALLBACKS, Policy, SchedulerConfig, Speculation, TierCredit, UnknownPolicy, Weights,
 };
 pub use cost::{EffectiveLoad, credit, kv_cost, prefill_cost, uncached_blocks};
 pub use decision::{CandidateScore, Decision, Reason, ScheduleError};

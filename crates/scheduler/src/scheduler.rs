@@ -66,6 +66,34 @@ impl Scheduler {
         &self.config
     }
 
+    /// Whether every ready endpoint that could decode a request for `model` is saturated by
+    /// [`crate::Admission`]'s rule (false when there is none: that is a 503, not a 429). An
+    /// endpoint without a fresh engine sample is not saturated.
+    pub fn pool_saturated(
+        &self,
+        model: &str,
+        endpoints: &[Endpoint],
+        loads: &LoadBook,
+        now: Millis,
+    ) -> bool {
+        let a = &self.config.admission;
+        let max_age = self.config.engine_load_max_age();
+        let mut any = false;
+        for e in endpoints
+            .iter()
+            .filter(|e| e.ready && e.role.serves_decode() && e.serves_model(model))
+        {
+            any = true;
+            let saturated = loads.fresh(e.id, now, max_age).is_some_and(|l| {
+                l.waiting >= a.queue_depth_threshold || l.kv_usage >= a.kv_usage_threshold
+            });
+            if !saturated {
+                return false;
+            }
+        }
+        any
+    }
+
     /// Chooses the primary, its fallbacks and (for a long uncached prompt in a P/D pool) a
     /// prefill endpoint, then records the choice in the index (speculation, or the approximate
     /// tracker's events) so the next request with this prefix sees it.

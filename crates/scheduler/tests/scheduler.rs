@@ -574,3 +574,42 @@ fn shared_state_is_send_and_sync() {
     check::<InflightTracker>();
     check::<LoadBook>();
 }
+
+#[test]
+fn the_pool_is_saturated_only_when_every_decode_candidate_is() {
+    let mut eps = endpoints(3);
+    let s = scheduler(SchedulerConfig::default());
+    let loads = LoadBook::new();
+    let now = Millis(10_000);
+    let sample = |waiting, kv_usage| EngineLoad {
+        waiting,
+        running: 1,
+        kv_usage,
+        at: now,
+    };
+    // No samples at all: unknown is not saturated.
+    assert!(!s.pool_saturated("m", &eps, &loads, now));
+    loads.record(id(0), sample(5, 0.1));
+    loads.record(id(1), sample(0, 0.8));
+    assert!(
+        !s.pool_saturated("m", &eps, &loads, now),
+        "endpoint 2 has no sample"
+    );
+    loads.record(id(2), sample(4, 0.79));
+    assert!(!s.pool_saturated("m", &eps, &loads, now));
+    loads.record(id(2), sample(6, 0.0));
+    assert!(s.pool_saturated("m", &eps, &loads, now));
+    // Stale samples stop counting.
+    assert!(!s.pool_saturated("m", &eps, &loads, Millis(10_000 + 5_001)));
+    // Endpoints that are not ready or cannot decode do not keep the pool open.
+    eps.push(with_role(
+        scheduler::Endpoint::new(id(3), addr(3)),
+        Role::Prefill,
+    ));
+    assert!(s.pool_saturated("m", &eps, &loads, now));
+    eps[2].ready = false;
+    loads.record(id(2), sample(0, 0.0));
+    assert!(s.pool_saturated("m", &eps, &loads, now));
+    // No candidate at all is not saturation.
+    assert!(!s.pool_saturated("m", &[], &loads, now));
+}

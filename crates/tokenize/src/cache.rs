@@ -121,17 +121,29 @@ pub(crate) fn key_of(segment: &str) -> (u64, usize) {
 
 /// Byte offsets at which `text` may be cut: before each occurrence of a split-safe token
 /// (never 0).
+///
+/// Linear in the text: a position is tested against the tokens only when its byte can start
+/// one (special tokens start with a handful of bytes, usually `<`), so a 100 KB prompt costs a
+/// table lookup per byte rather than a comparison per byte and token.
 pub(crate) fn cut_points(text: &str, tokens: &[String]) -> Vec<usize> {
+    let mut starts = [false; 256];
+    for t in tokens {
+        if let Some(b) = t.as_bytes().first()
+            && let Some(slot) = starts.get_mut(usize::from(*b))
+        {
+            *slot = true;
+        }
+    }
     let mut cuts = Vec::new();
     let bytes = text.as_bytes();
-    let mut i = 1;
-    while i < bytes.len() {
-        // Every split-safe token is at least one byte; test only where one could start.
+    for (i, b) in bytes.iter().enumerate().skip(1) {
+        if !starts.get(usize::from(*b)).copied().unwrap_or(false) {
+            continue;
+        }
         let rest = bytes.get(i..).unwrap_or_default();
         if tokens.iter().any(|t| rest.starts_with(t.as_bytes())) && text.is_char_boundary(i) {
             cuts.push(i);
         }
-        i += 1;
     }
     cuts
 }
@@ -145,6 +157,9 @@ mod tests {
         let t = vec!["<|s|>".to_owned()];
         assert_eq!(cut_points("<|s|>a<|s|>bb<|s|>", &t), vec![6, 13]);
         assert!(cut_points("plain", &t).is_empty());
+        let two = vec!["<|s|>".to_owned(), "[X]".to_owned()];
+        assert_eq!(cut_points("a[X]<|s|>[X", &two), vec![1, 4]);
+        assert_eq!(cut_points("é<|s|>", &two), vec![2]);
     }
 
     #[test]

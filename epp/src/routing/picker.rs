@@ -16,6 +16,18 @@ use super::stats::{Completed, ErrorCode, RequestMetrics, Series};
 use crate::discovery::Datastore;
 use crate::extproc::{Decision, Rejection, ResponseEvent, ResponseModel, Router, RoutingInput};
 
+/// Headers naming the request's InferenceObjective (GIE and llm-d spellings).
+pub const OBJECTIVE_HEADERS: [&str; 2] = [
+    "x-gateway-inference-objective",
+    "x-llm-d-inference-objective",
+];
+
+/// The priorities of the pool's InferenceObjectives (from Kubernetes discovery).
+pub trait Objectives: Send + Sync + std::fmt::Debug {
+    /// The priority of the objective `name` (unset priority is 0), `None` if unknown.
+    fn priority(&self, name: &str) -> Option<i32>;
+}
+
 /// Expected output blocks for in-flight accounting when a request does not bound its output.
 const DEFAULT_DECODE_BLOCKS: u32 = 16;
 
@@ -36,6 +48,8 @@ pub struct PickerStats {
     pub decision_nanos: AtomicU64,
     /// Requests whose model was rewritten.
     pub model_rewrites: AtomicU64,
+    /// Sheddable requests refused while the pool was saturated.
+    pub shed: AtomicU64,
 }
 
 /// What the picker remembers of a routed request until its response ends.
@@ -64,6 +78,7 @@ pub struct Picker {
     keyer: Keyer,
     scheduler: Scheduler,
     rewrites: RewriteRules,
+    objectives: Option<Arc<dyn Objectives>>,
     index: Arc<KvIndex>,
     inflight: Arc<InflightTracker>,
     loads: Arc<LoadBook>,
@@ -89,6 +104,7 @@ impl Picker {
             keyer,
             scheduler,
             rewrites: RewriteRules::default(),
+            objectives: None,
             index,
             inflight,
             loads,
@@ -106,6 +122,32 @@ impl Picker {
     pub fn with_rewrites(mut self, rules: RewriteRules) -> Self {
         self.rewrites = rules;
         self
+    }
+
+    /// Reads request priorities from `objectives` (header `x-gateway-inference-objective`).
+    #[must_use]
+    pub fn with_objectives(mut self, objectives: Arc<dyn Objectives>) -> Self {
+        self.objectives = Some(objectives);
+        self
+    }
+
+    /// The request's priority: its objective's, 0 without one (or an unknown one).
+    fn priority(&self, input: &RoutingInput<'_>) -> (i32, Option<String>) {
+        let Some(name) = input
+            .headers
+            .iter()
+            .find(|(k, _)| OBJECTIVE_HEADERS.contains(&k.as_str()))
+            .map(|(_, v)| v.trim())
+            .filter(|v| !v.is_empty())
+        else {
+            return (0, None);
+        };
+        let p = self
+            .objectives
+            .as_ref()
+            .and_then(|o| o.priority(name))
+            .unwrap_or(0);
+        (p, Some(name.to_owned()))
     }
 
     /// The counters.
@@ -218,6 +260,28 @@ impl Router for Picker {
         };
         let keyed = &prepared.keyed;
         let endpoints = self.datastore.snapshot();
+        let (priority, objective) = self.priority(&input);
+        if priority < 0
+            && self
+                .scheduler
+                .pool_saturated(&prepared.served, &endpoints, &self.loads, self.now())
+        {
+            self.stats.shed.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                request_id = input.request_id.unwrap_or("-"),
+                objective = objective.as_deref().unwrap_or("-"),
+                priority,
+                "shed: pool saturated"
+            );
+            return Err(self.reject(
+                Rejection::TooManyRequests(format!(
+                    "the pool is saturated and this request is sheddable (objective {:?}, \
+                     priority {priority})",
+                    objective.unwrap_or_default()
+                )),
+                &prepared.model,
+            ));
+        }
         let (keys, prompt_tokens, model) = match keyed {
             Some(k) => (&k.keys[..], k.prompt_tokens, k.model.as_str()),
             None => (&[][..], 0, ""),
@@ -529,5 +593,55 @@ mod tests {
             assert!(text.contains(want), "missing {want}\n{text}");
         }
         assert_eq!(p.stats().model_rewrites.load(Ordering::Relaxed), 1);
+    }
+
+    #[derive(Debug)]
+    struct Fixed;
+
+    impl Objectives for Fixed {
+        fn priority(&self, name: &str) -> Option<i32> {
+            match name {
+                "batch" => Some(-1),
+                "chat" => Some(10),
+                _ => None,
+            }
+        }
+    }
+
+    #[test]
+    fn sheddable_requests_get_429_only_while_the_pool_is_saturated() {
+        let (p, ds) = picker(2);
+        let p = p.with_objectives(Arc::new(Fixed));
+        let body = br#"{"model":"m","prompt":"hello there"}"#;
+        let with = |name: &str| [("x-gateway-inference-objective".to_owned(), name.to_owned())];
+        let route = |h: &[(String, String)]| {
+            let mut i = input("/v1/completions", Some(body), None);
+            i.headers = h;
+            p.route(i)
+        };
+        let h = with("batch");
+        let d = route(&h).unwrap();
+        p.on_response(d.ticket, ResponseEvent::Aborted);
+        for e in ds.snapshot().iter() {
+            p.loads.record(
+                e.id,
+                scheduler::EngineLoad {
+                    waiting: 50,
+                    running: 8,
+                    kv_usage: 0.95,
+                    at: p.now(),
+                },
+            );
+        }
+        let shed = route(&h).unwrap_err();
+        assert_eq!(shed.status(), 429);
+        assert!(shed.message().contains("batch"));
+        for ok in [with("chat"), with("unknown")] {
+            let d = route(&ok).unwrap();
+            p.on_response(d.ticket, ResponseEvent::Aborted);
+        }
+        let d = route(&[]).unwrap();
+        p.on_response(d.ticket, ResponseEvent::Aborted);
+        assert_eq!(p.stats().shed.load(Ordering::Relaxed), 1);
     }
 }
