@@ -530,6 +530,25 @@ async fn replicas_share_inflight_load_and_forget_a_silent_peer() {
     eventually("A forgotten", || b.inflight.load(b.endpoint).requests == 1).await;
     assert!(sb.peers_expired.load(Ordering::Relaxed) >= 1);
     assert_eq!(sb.peer_replicas.load(Ordering::Relaxed), 0);
+
+    // A clean shutdown says goodbye: B forgets C at once, not by expiry.
+    let c = Epp::new(1);
+    let nc = c.start(&server.url(), Some(sharing(3))).await;
+    eventually("C seen", || sb.peer_replicas.load(Ordering::Relaxed) == 1).await;
+    c.inflight.on_routed(c.endpoint, 4, 4, 0);
+    eventually("B sees C's request", || {
+        b.inflight.load(b.endpoint).requests == 2
+    })
+    .await;
+    let expired = sb.peers_expired.load(Ordering::Relaxed);
+    nc.shutdown().await;
+    eventually("C gone", || b.inflight.load(b.endpoint).requests == 1).await;
+    assert_eq!(
+        sb.peers_expired.load(Ordering::Relaxed),
+        expired,
+        "by goodbye, not expiry"
+    );
+
     b.inflight.on_finished(u);
     assert!(b.inflight.is_empty());
     nb.shutdown().await;

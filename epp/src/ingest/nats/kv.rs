@@ -302,3 +302,148 @@ impl KvIngest {
         set(&self.stats.sources, self.sources.len() as u64);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+
+    use kv_events::envelope::{ENVELOPE_VERSION, EngineKind};
+    use kv_events::snapshot::TierKeys;
+    use kv_events::{BlockKey, KvEvent, Tier};
+    use kv_index::IndexConfig;
+    use scheduler::Endpoint;
+
+    use super::*;
+    use crate::discovery::Datastore;
+    use crate::discovery::apply::NodeIds;
+
+    fn source(pod: &str) -> Source {
+        Source {
+            namespace: "ns".into(),
+            pool: Some("p".into()),
+            pod: Some(pod.into()),
+            ip: None,
+            port: Some(8000),
+            dp_rank: 1,
+            node: None,
+            model: "m".into(),
+            engine: EngineKind::Vllm,
+            block_size: 16,
+        }
+    }
+
+    fn envelope(pod: &str, seq: u64, key: u64) -> Envelope {
+        Envelope {
+            v: ENVELOPE_VERSION,
+            source: source(pod),
+            epoch: 5,
+            seq,
+            events: vec![KvEvent::Stored {
+                keys: vec![BlockKey(key)],
+                parent: None,
+                tier: Tier::Gpu,
+                lora: None,
+                token_count: 16,
+            }],
+        }
+    }
+
+    fn snapshot(pod: &str, next_seq: u64, keys: &[u64]) -> Snapshot {
+        Snapshot {
+            source: source(pod),
+            epoch: 5,
+            next_seq,
+            tiers: vec![TierKeys {
+                tier: Tier::Gpu,
+                keys: keys.iter().copied().map(BlockKey).collect(),
+            }],
+        }
+    }
+
+    #[test]
+    fn unknown_sources_wait_for_discovery_and_departed_ones_are_forgotten() {
+        let ds = Datastore::new();
+        let nodes = NodeIds::default();
+        let r = Resolver {
+            datastore: &ds,
+            nodes: &nodes,
+        };
+        let index = Arc::new(KvIndex::new(IndexConfig::default()).unwrap());
+        let stats = Arc::new(NatsStats::default());
+        let mut kv = KvIngest::new(
+            SyncConfig::default(),
+            Arc::clone(&index),
+            Arc::new(LoadBook::new()),
+            Arc::clone(&stats),
+        );
+        // Unknown: counted, no request.
+        assert!(
+            kv.on_envelope(envelope("a", 0, 1), &r, Millis(0))
+                .is_empty()
+        );
+        assert_eq!(
+            stats
+                .unknown_sources
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+        assert!(kv.is_empty());
+        // Discovery learns of it: the next tick asks for its snapshot.
+        let key = ("a".to_owned(), 8000);
+        let id = ds.id_for(&key);
+        ds.replace(vec![(
+            key,
+            Endpoint::new(id, "10.0.0.1:8000".parse().unwrap()),
+        )]);
+        let orders = kv.tick(&r, Millis(1));
+        assert_eq!(orders.len(), 1);
+        let o = &orders[0];
+        assert_eq!(o.holder, Holder::Endpoint(id));
+        assert_eq!(o.subject, "kvgate.snapshot.ns.p.a");
+        assert_eq!(o.request.dp_rank, 1);
+        assert_eq!(kv.is_stale(o.holder), Some(true));
+        // A reply naming another source is refused; the right one makes it live.
+        let (holder, req) = (o.holder, o.id);
+        kv.on_fetch(
+            holder,
+            req,
+            FetchResult::Done(snapshot("b", 3, &[9])),
+            &r,
+            Millis(2),
+        );
+        assert_eq!(
+            stats
+                .snapshot_error
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+        let orders = kv.tick(&r, Millis(200));
+        let req = orders[0].id;
+        kv.on_envelope(envelope("a", 3, 2), &r, Millis(201));
+        kv.on_fetch(
+            holder,
+            req,
+            FetchResult::Done(snapshot("a", 3, &[1])),
+            &r,
+            Millis(202),
+        );
+        assert_eq!(kv.is_stale(holder), Some(false));
+        let hits = index.find_matches(&[BlockKey(1), BlockKey(2)], &[id]);
+        assert_eq!(hits[0].reach(Tier::Gpu), 2);
+        // Discovery drops it: forgotten at the next tick.
+        ds.replace(Vec::new());
+        kv.tick(&r, Millis(300));
+        assert!(kv.is_empty());
+    }
+
+    #[test]
+    fn node_sources_ask_on_a_subject_of_their_own() {
+        let mut s = source("x");
+        s.pool = None;
+        s.pod = None;
+        s.node = Some("node.1".into());
+        assert_eq!(snapshot_subject(&s).unwrap(), "kvgate.snapshot.ns.node_1");
+        s.node = None;
+        assert_eq!(snapshot_subject(&s), None);
+    }
+}
