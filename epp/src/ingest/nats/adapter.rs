@@ -352,6 +352,7 @@ impl KvLoop {
 }
 
 /// One snapshot exchange: a fresh inbox, the request, chunks joined until the last.
+#[tracing::instrument(level = "debug", skip_all, fields(subject = %order.subject, request = order.id))]
 async fn fetch(client: &Client, order: &FetchOrder, max_bytes: usize) -> FetchResult {
     let Ok(body) = order.request.encode() else {
         return FetchResult::Failed;
