@@ -14,6 +14,7 @@ use crate::args::{Args, Discovery, EngineArg};
 use crate::discovery::Datastore;
 use crate::discovery::apply::{NodeIds, Targets, apply};
 use crate::discovery::file::{FileWatch, parse};
+use crate::ingest::nats::{NatsConfig, NatsIngest, SharingConfig, random_replica_id};
 use crate::ingest::zmq_direct::{DirectSource, Ingester};
 use crate::routing::keys::{Keyer, ModelTokenizer};
 use crate::routing::picker::Picker;
@@ -58,7 +59,7 @@ struct State {
     loads: Arc<LoadBook>,
     datastore: Arc<Datastore>,
     scheduler_for_upkeep: Scheduler,
-    nodes: NodeIds,
+    nodes: Arc<NodeIds>,
 }
 
 /// Runs the EPP until a shutdown signal.
@@ -118,7 +119,7 @@ pub fn run(args: Args) -> Result<(), AppError> {
         loads: Arc::new(LoadBook::new()),
         datastore: Arc::new(Datastore::new()),
         scheduler_for_upkeep: upkeep,
-        nodes: NodeIds::default(),
+        nodes: Arc::new(NodeIds::default()),
     });
     let rewrites = match &args.model_rewrites {
         Some(path) => {
@@ -153,12 +154,40 @@ pub fn run(args: Args) -> Result<(), AppError> {
             crate::load::ScrapeConfig::default(),
         )
     };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(AppError::Runtime)?;
+    let nats = match nats_config(&args) {
+        Some(config) => {
+            let shared = crate::ingest::nats::Shared {
+                index: Arc::clone(&state.index),
+                loads: Arc::clone(&state.loads),
+                inflight: Arc::clone(&state.inflight),
+                datastore: Arc::clone(&state.datastore),
+                nodes: Arc::clone(&state.nodes),
+                clock: {
+                    let p = Arc::clone(&picker);
+                    Arc::new(move || p.now())
+                },
+            };
+            let started = runtime
+                .block_on(NatsIngest::start(config, shared))
+                .map_err(|e| config_error(e.to_string()))?;
+            Some(started)
+        }
+        None => {
+            tracing::info!("no --nats-url: NATS ingestion and in-flight sharing are off");
+            None
+        }
+    };
     let metrics_sources = crate::metrics::Sources {
         pool: args.pool_name.clone(),
         picker: picker.stats(),
         router: Some(Arc::clone(&picker)),
         ingest: Some(ingester.stats()),
         scrape: Some(scraper.stats()),
+        nats: nats.as_ref().map(NatsIngest::stats),
         index: Arc::clone(&state.index),
         datastore: Arc::clone(&state.datastore),
     };
@@ -181,10 +210,6 @@ pub fn run(args: Args) -> Result<(), AppError> {
             })
             .map_err(AppError::Runtime)?
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(AppError::Runtime)?;
     let metrics_addr = std::net::SocketAddr::from(([0, 0, 0, 0], args.metrics_port));
     runtime.spawn(async move {
         if let Err(e) =
@@ -199,9 +224,31 @@ pub fn run(args: Args) -> Result<(), AppError> {
         readiness,
         cli_support::shutdown_signal(),
     ));
+    if let Some(nats) = nats {
+        runtime.block_on(nats.shutdown());
+    }
     stop.store(true, Ordering::Relaxed);
     let _ = background.join();
     served.map_err(|e| AppError::Serve(e.to_string()))
+}
+
+/// The NATS configuration, when `--nats-url` is set.
+fn nats_config(args: &Args) -> Option<NatsConfig> {
+    let url = args.nats()?;
+    let sync = crate::ingest::nats::sync::SyncConfig {
+        snapshot_timeout: kv_index::Millis(args.snapshot_timeout_ms),
+        ..Default::default()
+    };
+    Some(NatsConfig {
+        url: url.to_owned(),
+        namespace: args.pool_namespace.clone(),
+        pool: args.pool_name.clone(),
+        sync,
+        limits: kv_events::envelope::EnvelopeLimits::default(),
+        sharing: args
+            .inflight_sharing
+            .then(|| SharingConfig::new(random_replica_id())),
+    })
 }
 
 /// Discovery, ingestion and expiry, on one thread.

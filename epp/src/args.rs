@@ -27,8 +27,9 @@ pub struct Args {
     /// InferencePool this EPP serves.
     #[arg(long, env = "KVGATE_POOL_NAME")]
     pub pool_name: String,
-    /// Namespace of the InferencePool.
-    #[arg(long, env = "KVGATE_POOL_NAMESPACE", default_value = "default")]
+    /// Namespace of the InferencePool (the pod's own namespace through the downward API);
+    /// also the `<namespace>` token of the NATS subjects.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub pool_namespace: String,
     /// Endpoint discovery mode.
     #[arg(long, value_enum, default_value_t = Discovery::Kubernetes)]
@@ -67,9 +68,19 @@ pub struct Args {
     /// On shutdown, how long open ext_proc streams may finish before they are cut, in seconds.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout_seconds: u64,
-    /// NATS server URL for KV events and load samples.
-    #[arg(long, env = "KVGATE_NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    pub nats_url: String,
+    /// NATS server URL (e.g. `nats://nats:4222`; several comma-separated). When set, the EPP
+    /// takes sidecar KV-event envelopes, snapshots and load samples from NATS and shares
+    /// in-flight load with its peer replicas; empty or absent disables NATS.
+    #[arg(long, env = "KVGATE_NATS_URL")]
+    pub nats_url: Option<String>,
+    /// How long a snapshot request to a sidecar may take before it is retried (with backoff),
+    /// in milliseconds.
+    #[arg(long, env = "KVGATE_SNAPSHOT_TIMEOUT_MS", default_value_t = 2000)]
+    pub snapshot_timeout_ms: u64,
+    /// Share in-flight load with the pool's other EPP replicas over NATS (active-active); only
+    /// with --nats-url.
+    #[arg(long, env = "KVGATE_INFLIGHT_SHARING", default_value_t = true, action = clap::ArgAction::Set)]
+    pub inflight_sharing: bool,
     /// Scheduler configuration file (YAML); built-in defaults when absent.
     #[arg(long, env = "KVGATE_CONFIG")]
     pub config: Option<PathBuf>,
@@ -98,6 +109,14 @@ pub struct Args {
 }
 
 impl Args {
+    /// The NATS URL, when NATS is enabled (set and not blank).
+    pub fn nats(&self) -> Option<&str> {
+        self.nats_url
+            .as_deref()
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+    }
+
     /// Checks what clap cannot: combinations and ranges.
     pub fn validate(&self) -> Result<(), String> {
         if self.discovery == Discovery::File && self.endpoints_file.is_none() {
@@ -113,6 +132,9 @@ impl Args {
         }
         if self.block_size == 0 {
             return Err("--block-size must be positive".into());
+        }
+        if self.snapshot_timeout_ms == 0 {
+            return Err("--snapshot-timeout-ms must be positive".into());
         }
         if self.max_body_bytes == 0 {
             return Err("--max-body-bytes must be positive".into());
@@ -148,6 +170,22 @@ mod tests {
             Args::try_parse_from(["kvgate-epp"]).is_err(),
             "the pool name is required"
         );
+    }
+
+    #[test]
+    fn nats_is_off_unless_a_url_is_given_and_sharing_follows_it() {
+        let base = ["kvgate-epp", "--pool-name", "p"];
+        let with = |extra: &[&str]| Args::try_parse_from(base.iter().chain(extra)).unwrap();
+        let a = with(&[]);
+        assert_eq!(a.nats(), None);
+        assert!(a.inflight_sharing);
+        assert_eq!(a.snapshot_timeout_ms, 2000);
+        assert_eq!(with(&["--nats-url", "  "]).nats(), None);
+        let a = with(&["--nats-url", "nats://n:4222", "--inflight-sharing", "false"]);
+        assert_eq!(a.nats(), Some("nats://n:4222"));
+        assert!(!a.inflight_sharing);
+        let a = with(&["--snapshot-timeout-ms", "0"]);
+        assert!(a.validate().unwrap_err().contains("snapshot"));
     }
 
     #[test]

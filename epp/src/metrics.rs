@@ -23,6 +23,8 @@ pub struct Sources {
     pub ingest: Option<Arc<IngestStats>>,
     /// Engine-metrics scraping counters.
     pub scrape: Option<Arc<crate::load::ScrapeStats>>,
+    /// NATS ingestion and in-flight sharing counters.
+    pub nats: Option<Arc<crate::ingest::nats::NatsStats>>,
     /// The index (size).
     pub index: Arc<KvIndex>,
     /// Endpoints (ready count).
@@ -180,6 +182,9 @@ pub fn render(s: &Sources) -> String {
             get(&p.gpu_hit_blocks) as f64 / blocks as f64
         },
     );
+    if let Some(n) = &s.nats {
+        n.render_into(&l, &mut out);
+    }
     let mut e = telemetry::Exposition::new();
     #[allow(clippy::cast_precision_loss)]
     e.single(
@@ -320,6 +325,7 @@ mod tests {
             picker,
             ingest: Some(Arc::default()),
             scrape: Some(Arc::default()),
+            nats: Some(Arc::default()),
             index: Arc::new(KvIndex::new(kv_index::IndexConfig::default()).unwrap()),
             datastore: Arc::new(Datastore::new()),
             router: None,
@@ -331,6 +337,7 @@ mod tests {
             "inference_pool_ready_pods{name=\"p\\\"1\"} 0",
             "kvgate_epp_kv_event_gaps_total{pool=\"p_1\"} 0",
             "# TYPE kvgate_epp_index_residencies gauge",
+            "kvgate_epp_nats_connected{pool=\"p_1\"} 0",
         ] {
             assert!(text.contains(want), "missing {want}\n{text}");
         }

@@ -8,6 +8,13 @@
 //! idempotent, and finishing without a first token (an error, a client that went away) frees
 //! the prefill blocks. Every count returns to zero and every entry is dropped once all
 //! requests finished: the tracker cannot leak.
+//!
+//! Active-active replicas: each EPP replica shares its own changes (the optional *journal*,
+//! drained by the sharing adapter) and installs the sum of its peers' loads with
+//! [`InflightTracker::set_peer_loads`]. [`InflightTracker::load`] and
+//! [`InflightTracker::loads_into`] — what the scheduler reads — return own plus peers';
+//! [`InflightTracker::len`], [`InflightTracker::is_empty`] and [`InflightTracker::own_loads`]
+//! count this replica's requests only.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -45,6 +52,40 @@ impl InflightToken {
     }
 }
 
+/// Which lifecycle step a journalled change was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChangeKind {
+    /// A request was routed.
+    Routed,
+    /// A request produced its first token.
+    FirstToken,
+    /// A request ended.
+    Finished,
+}
+
+/// One change to this replica's in-flight load, as the journal records it: signed differences
+/// that, summed over a replica's changes, give its load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct InflightChange {
+    /// The endpoint whose load changed.
+    pub endpoint: EndpointId,
+    /// The step.
+    pub kind: ChangeKind,
+    /// Change in requests.
+    pub requests: i64,
+    /// Change in prefill blocks.
+    pub prefill_blocks: i64,
+    /// Change in decode blocks.
+    pub decode_blocks: i64,
+}
+
+#[derive(Debug, Default)]
+struct Journal {
+    changes: Vec<InflightChange>,
+    cap: usize,
+    overflowed: bool,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Prefill,
@@ -66,15 +107,54 @@ struct Inner {
     next_id: u64,
     requests: HashMap<u64, Entry>,
     endpoints: HashMap<EndpointId, InflightLoad>,
+    peers: HashMap<EndpointId, InflightLoad>,
+    journal: Option<Journal>,
+}
+
+fn signed(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 impl Inner {
+    fn record(&mut self, change: InflightChange) {
+        if let Some(j) = &mut self.journal {
+            if j.changes.len() < j.cap {
+                j.changes.push(change);
+            } else {
+                j.overflowed = true;
+            }
+        }
+    }
+
+    fn total(&self, endpoint: &EndpointId) -> InflightLoad {
+        let own = self.endpoints.get(endpoint).copied().unwrap_or_default();
+        match self.peers.get(endpoint) {
+            None => own,
+            Some(p) => InflightLoad {
+                requests: own.requests.saturating_add(p.requests),
+                prefill_blocks: own.prefill_blocks.saturating_add(p.prefill_blocks),
+                decode_blocks: own.decode_blocks.saturating_add(p.decode_blocks),
+            },
+        }
+    }
+
     fn load_mut(&mut self, endpoint: EndpointId) -> &mut InflightLoad {
         self.endpoints.entry(endpoint).or_default()
     }
 
     /// Removes `entry`'s contribution from its endpoint's counts.
     fn release(&mut self, entry: Entry) {
+        let (prefill, decode) = match entry.phase {
+            Phase::Prefill => (entry.uncached, 0),
+            Phase::Decode => (0, entry.footprint),
+        };
+        self.record(InflightChange {
+            endpoint: entry.endpoint,
+            kind: ChangeKind::Finished,
+            requests: -1,
+            prefill_blocks: -signed(prefill),
+            decode_blocks: -signed(decode),
+        });
         let load = self.load_mut(entry.endpoint);
         load.requests = load.requests.saturating_sub(1);
         match entry.phase {
@@ -89,6 +169,15 @@ impl Inner {
             self.endpoints.remove(&entry.endpoint);
         }
     }
+}
+
+/// What [`InflightTracker::drain_journal`] reports besides the changes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct JournalDrain {
+    /// Changes were dropped because the journal was full.
+    pub overflowed: bool,
+    /// Own load per endpoint after the drained changes.
+    pub own: Vec<(EndpointId, InflightLoad)>,
 }
 
 /// Per-endpoint in-flight accounting, shared by every request stream (`&self` everywhere; one
@@ -136,6 +225,13 @@ impl InflightTracker {
         let load = inner.load_mut(endpoint);
         load.requests += 1;
         load.prefill_blocks += uncached;
+        inner.record(InflightChange {
+            endpoint,
+            kind: ChangeKind::Routed,
+            requests: 1,
+            prefill_blocks: signed(uncached),
+            decode_blocks: 0,
+        });
         InflightToken { id, endpoint }
     }
 
@@ -154,6 +250,13 @@ impl InflightTracker {
         let load = inner.load_mut(endpoint);
         load.prefill_blocks = load.prefill_blocks.saturating_sub(uncached);
         load.decode_blocks += footprint;
+        inner.record(InflightChange {
+            endpoint,
+            kind: ChangeKind::FirstToken,
+            requests: 0,
+            prefill_blocks: -signed(uncached),
+            decode_blocks: signed(footprint),
+        });
         true
     }
 
@@ -177,26 +280,61 @@ impl InflightTracker {
         let before = inner.requests.len();
         inner.requests.retain(|_, e| e.endpoint != endpoint);
         inner.endpoints.remove(&endpoint);
+        inner.peers.remove(&endpoint);
         before - inner.requests.len()
     }
 
-    /// `endpoint`'s current load.
+    /// `endpoint`'s current load: this replica's plus its peers'.
     pub fn load(&self, endpoint: EndpointId) -> InflightLoad {
-        self.lock()
-            .endpoints
-            .get(&endpoint)
-            .copied()
-            .unwrap_or_default()
+        self.lock().total(&endpoint)
     }
 
-    /// Appends the load of each of `endpoints` (in order) to `out`, under one lock hold.
+    /// Appends the load (own plus peers') of each of `endpoints` (in order) to `out`, under
+    /// one lock hold.
     pub fn loads_into(&self, endpoints: &[EndpointId], out: &mut Vec<InflightLoad>) {
         let inner = self.lock();
-        out.extend(
-            endpoints
-                .iter()
-                .map(|e| inner.endpoints.get(e).copied().unwrap_or_default()),
-        );
+        out.extend(endpoints.iter().map(|e| inner.total(e)));
+    }
+
+    /// Replaces the load other replicas routed (summed over them) with `peers`.
+    pub fn set_peer_loads(&self, peers: HashMap<EndpointId, InflightLoad>) {
+        self.lock().peers = peers;
+    }
+
+    /// This replica's own load per endpoint (endpoints with nothing in flight are left out).
+    pub fn own_loads(&self) -> Vec<(EndpointId, InflightLoad)> {
+        self.lock()
+            .endpoints
+            .iter()
+            .map(|(e, l)| (*e, *l))
+            .collect()
+    }
+
+    /// Starts recording own changes (at most `cap` between drains) for sharing with peers.
+    pub fn enable_journal(&self, cap: usize) {
+        self.lock().journal = Some(Journal {
+            changes: Vec::new(),
+            cap,
+            overflowed: false,
+        });
+    }
+
+    /// Moves the journalled changes to `out` and returns the own loads they lead to, taken
+    /// under the same lock hold so the two agree. `overflowed` is set when changes were lost
+    /// since the last drain (the caller should then send full state).
+    pub fn drain_journal(&self, out: &mut Vec<InflightChange>) -> JournalDrain {
+        let mut inner = self.lock();
+        let overflowed = match &mut inner.journal {
+            Some(j) => {
+                out.append(&mut j.changes);
+                std::mem::take(&mut j.overflowed)
+            }
+            None => false,
+        };
+        JournalDrain {
+            overflowed,
+            own: inner.endpoints.iter().map(|(e, l)| (*e, *l)).collect(),
+        }
     }
 
     /// Requests in flight, over all endpoints.
@@ -265,6 +403,47 @@ mod tests {
         assert_eq!(t.load(ep(2)).prefill_blocks, 3);
         t.on_finished(tok);
         assert!(t.is_empty());
+    }
+
+    #[test]
+    fn the_journal_sums_to_the_own_load_and_peers_add_to_reads() {
+        let t = InflightTracker::new();
+        t.enable_journal(100);
+        let a = t.on_routed(ep(1), 10, 4, 2);
+        let b = t.on_routed(ep(1), 6, 6, 0);
+        t.on_first_token(a);
+        t.on_finished(b);
+        let mut changes = Vec::new();
+        let drain = t.drain_journal(&mut changes);
+        assert!(!drain.overflowed);
+        let kinds: Vec<_> = changes.iter().map(|c| c.kind).collect();
+        use ChangeKind::*;
+        assert_eq!(kinds, vec![Routed, Routed, FirstToken, Finished]);
+        let sum = |f: fn(&InflightChange) -> i64| changes.iter().map(f).sum::<i64>();
+        let own = t.load(ep(1));
+        assert_eq!(drain.own, vec![(ep(1), own)]);
+        assert_eq!(sum(|c| c.requests), own.requests as i64);
+        assert_eq!(sum(|c| c.prefill_blocks), own.prefill_blocks as i64);
+        assert_eq!(sum(|c| c.decode_blocks), own.decode_blocks as i64);
+        t.set_peer_loads([(ep(1), load(2, 3, 4)), (ep(2), load(1, 1, 1))].into());
+        assert_eq!(t.load(ep(1)), load(3, 3, 16));
+        let mut out = Vec::new();
+        t.loads_into(&[ep(2)], &mut out);
+        assert_eq!(out, vec![load(1, 1, 1)]);
+        assert_eq!(t.own_loads(), vec![(ep(1), own)]);
+        t.on_finished(a);
+        assert!(t.is_empty(), "peers' load is not this replica's state");
+        t.remove_endpoint(ep(2));
+        assert_eq!(t.load(ep(2)), InflightLoad::default());
+        // A full journal drops changes and says so once.
+        let t = InflightTracker::new();
+        t.enable_journal(1);
+        t.on_routed(ep(0), 1, 1, 0);
+        t.on_routed(ep(0), 1, 1, 0);
+        let mut changes = Vec::new();
+        assert!(t.drain_journal(&mut changes).overflowed);
+        assert_eq!(changes.len(), 1);
+        assert!(!t.drain_journal(&mut changes).overflowed);
     }
 
     #[test]

@@ -74,7 +74,9 @@ pub use cost::{EffectiveLoad, credit, kv_cost, prefill_cost, uncached_blocks};
 pub use decision::{CandidateScore, Decision, Reason, ScheduleError};
 pub use endpoint::{Endpoint, Pick, Role};
 pub use filter::NoCandidateReason;
-pub use inflight::{InflightLoad, InflightToken, InflightTracker};
+pub use inflight::{
+    ChangeKind, InflightChange, InflightLoad, InflightToken, InflightTracker, JournalDrain,
+};
 pub use kv_index::Millis;
 pub use load::{EngineLoad, LoadBook};
 pub use scheduler::{ScheduleRequest, Scheduler};

@@ -29,6 +29,15 @@ impl NodeIds {
         *ids.entry(name.to_owned())
             .or_insert_with(|| NodeId::new(next).unwrap_or_else(|_| fallback_node()))
     }
+
+    /// The id of a node name seen before, without allocating one.
+    pub fn get(&self, name: &str) -> Option<NodeId> {
+        self.ids
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(name)
+            .copied()
+    }
 }
 
 fn fallback_node() -> NodeId {
@@ -122,6 +131,8 @@ mod tests {
         assert_eq!(index.find_matches(&keys, &[b])[0].reach(Tier::Gpu), 0);
         assert!(inflight.is_empty());
         assert_eq!(nodes.id("n"), nodes.id("n"));
+        assert_eq!(nodes.get("n"), Some(nodes.id("n")));
+        assert_eq!(nodes.get("never"), None);
         assert_ne!(nodes.id("n"), nodes.id("m"));
     }
 }

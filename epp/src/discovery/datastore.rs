@@ -61,6 +61,29 @@ impl Datastore {
         id
     }
 
+    /// The id of a live endpoint (present in the current set); `None` for unknown or departed
+    /// ones. Never allocates.
+    pub fn live_id(&self, key: &EndpointKey) -> Option<EndpointId> {
+        let ids = self
+            .ids
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        ids.by_key
+            .get(key)
+            .copied()
+            .filter(|id| ids.live.contains_key(id))
+    }
+
+    /// The key of a live endpoint.
+    pub fn key_of(&self, id: EndpointId) -> Option<EndpointKey> {
+        self.ids
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .live
+            .get(&id)
+            .cloned()
+    }
+
     /// Replaces the endpoint set; `endpoints` carry ids from [`id_for`](Self::id_for).
     pub fn replace(&self, endpoints: Vec<(EndpointKey, Endpoint)>) -> Change {
         let mut ids = self
@@ -122,8 +145,12 @@ mod tests {
         assert_eq!(ds.replace(vec![a, b]).removed, vec![]);
         let a2 = ep(&ds, "a", 8000);
         assert_eq!(a2.1.id, ida);
+        assert_eq!(ds.live_id(&("b".to_owned(), 8000)), Some(idb));
         let change = ds.replace(vec![a2]);
         assert_eq!(change.removed, vec![idb]);
+        assert_eq!(ds.live_id(&("b".to_owned(), 8000)), None);
+        assert_eq!(ds.key_of(ida), Some(("a".to_owned(), 8000)));
+        assert_eq!(ds.key_of(idb), None);
         assert_eq!(ds.snapshot().len(), 1);
     }
 }
