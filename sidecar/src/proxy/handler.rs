@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderValue, Request, Response, StatusCode, Uri, header};
+use axum::http::{HeaderValue, Request, Response, Uri, header};
 use bytes::Bytes;
 use tracing::Instrument as _;
 
@@ -106,7 +106,7 @@ async fn to_engine(
                 limit: state.max_body,
             }
         } else {
-            ProxyError::Engine(e.to_string())
+            ProxyError::Engine(super::prefill::error_chain(&e))
         }
     })?;
     let waited = upstream_before + sent.elapsed();
@@ -202,9 +202,5 @@ async fn pd(
         .headers
         .insert(header::CONTENT_LENGTH, HeaderValue::from(decode.len()));
     let req = Request::from_parts(parts, Body::from(decode));
-    let resp = to_engine(state, Mode::Pd, req, started, waited, guard).await?;
-    if resp.status() == StatusCode::OK {
-        tracing::debug!("decode leg answered");
-    }
-    Ok(resp)
+    to_engine(state, Mode::Pd, req, started, waited, guard).await
 }

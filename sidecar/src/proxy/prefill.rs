@@ -129,10 +129,11 @@ async fn once(
         HeaderValue::from_static("application/json"),
     );
     let resp = client.request(req).await.map_err(|e| {
+        let chain = error_chain(&e);
         if e.is_connect() {
-            AttemptError::new(Failure::Connect, format!("connect failed: {e}"))
+            AttemptError::new(Failure::Connect, format!("connect failed: {chain}"))
         } else {
-            AttemptError::new(Failure::Io, format!("request failed: {e}"))
+            AttemptError::new(Failure::Io, format!("request failed: {chain}"))
         }
     })?;
     let status = resp.status();
@@ -167,4 +168,16 @@ async fn once(
     }
     rewrite::transfer_params(&bytes)
         .map_err(|e| AttemptError::new(Failure::BadResponse, e.to_string()))
+}
+
+/// An error and its causes on one line (`a: b: c`).
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cur = c.source();
+    }
+    out
 }
