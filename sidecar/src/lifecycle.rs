@@ -164,6 +164,7 @@ pub async fn run(args: Args, hook: Arc<dyn DrainHook>) -> Result<(), RunError> {
         let _ = stop_rx.wait_for(|stop| *stop).await;
     }));
     cli_support::shutdown_signal().await;
+    metrics.drain_started();
     let report = health::drain::drain(
         &parts.readiness,
         hook.as_ref(),

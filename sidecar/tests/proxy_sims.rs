@@ -419,6 +419,8 @@ fn sigterm_drains_in_flight_streams_then_exits_0() {
             .unwrap()
             .contains(&json!("draining"))
     );
+    assert_eq!(sidecar.metric("kvgate_sidecar_proxy_in_flight"), 1.0);
+    assert!(sidecar.metric("kvgate_sidecar_proxy_drain_duration_seconds") > 0.0);
     assert!(
         TcpStream::connect(("127.0.0.1", sidecar.port)).is_err(),
         "new connections are refused while draining"

@@ -84,6 +84,7 @@ pub struct ProxyMetrics {
     ssrf_refusals: AtomicU64,
     in_flight: AtomicI64,
     drain_seconds_bits: AtomicU64,
+    drain_started: std::sync::OnceLock<std::time::Instant>,
     allow_list: Option<Arc<LiveAllowList>>,
 }
 
@@ -149,7 +150,21 @@ impl ProxyMetrics {
         self.ssrf_refusals.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Records how long the last drain took.
+    /// Marks the start of the drain: until [`ProxyMetrics::drain_duration`] the gauge shows the
+    /// time drained so far, so a scrape during the drain sees it grow.
+    pub fn drain_started(&self) {
+        let _ = self.drain_started.set(std::time::Instant::now());
+    }
+
+    fn drain_seconds(&self) -> f64 {
+        let done = f64::from_bits(self.drain_seconds_bits.load(Ordering::Relaxed));
+        match self.drain_started.get() {
+            Some(t) if done == 0.0 => t.elapsed().as_secs_f64(),
+            _ => done,
+        }
+    }
+
+    /// Records how long the drain took.
     pub fn drain_duration(&self, d: Duration) {
         self.drain_seconds_bits
             .store(d.as_secs_f64().to_bits(), Ordering::Relaxed);
@@ -207,8 +222,8 @@ impl ProxyMetrics {
         single(
             "kvgate_sidecar_proxy_drain_duration_seconds",
             "gauge",
-            "How long the last drain took (0 before any).",
-            f64::from_bits(self.drain_seconds_bits.load(Ordering::Relaxed)).to_string(),
+            "Time spent draining (growing during the drain; 0 before it).",
+            self.drain_seconds().to_string(),
         );
         if let Some(live) = &self.allow_list {
             single(
