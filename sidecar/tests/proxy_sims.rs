@@ -338,6 +338,25 @@ fn body_limit_is_413_and_no_list_refuses_pd() {
     assert_eq!(r.status, 413);
     assert_eq!(r.json()["error"]["code"], 413);
     assert_eq!(engine.metric("vllm:prompt_tokens_total"), 0.0);
+    // A chunked body (no content-length) is cut off at the limit while it streams.
+    let mut s = TcpStream::connect(("127.0.0.1", sidecar.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let payload = big.to_string();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+         content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    .unwrap();
+    for part in payload.as_bytes().chunks(500) {
+        write!(s, "{:x}\r\n", part.len()).unwrap();
+        s.write_all(part).unwrap();
+        s.write_all(b"\r\n").unwrap();
+    }
+    s.write_all(b"0\r\n\r\n").unwrap();
+    let r = support::read_response(&mut s, Instant::now()).unwrap();
+    assert_eq!(r.status, 413, "{}", r.text());
+    assert_eq!(engine.metric("vllm:prompt_tokens_total"), 0.0);
     // P/D without an allow-list (and without --disable-ssrf-protection) is refused.
     let small = json!({"model": "m", "prompt": "y", "max_tokens": 1});
     let r = sidecar.post("/v1/completions", &[(PREFILLER, &engine.addr())], &small);
