@@ -4,6 +4,8 @@
 //!
 //! The event bridge joins through [`Parts`]: the [`Readiness`] handle (its
 //! `set_kv_events_live`), the [`DrainHook`], and [`Parts::render_metrics`] for its `/metrics`.
+//! The :9091 server here serves only `health::router` and the proxy's metrics; when the bridge's
+//! `/metrics` server lands it mounts the same router and appends its own metrics to the page.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
