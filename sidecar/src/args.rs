@@ -58,6 +58,8 @@ pub struct Args {
     /// Metrics and health port.
     #[arg(long, default_value_t = 9091)]
     pub metrics_port: u16,
+    #[command(flatten)]
+    pub proxy: crate::proxy::ProxyArgs,
 }
 
 impl Args {
@@ -69,6 +71,8 @@ impl Args {
         if self.dp_size == 0 {
             return Err("--dp-size must be at least 1".into());
         }
+        self.proxy.validate()?;
+        crate::proxy::engine_authority(&self.engine_url)?;
         if self.proxy_port == self.metrics_port {
             return Err("--proxy-port and --metrics-port must differ".into());
         }

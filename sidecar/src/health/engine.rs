@@ -1,0 +1,43 @@
+//! The engine liveness poller: `GET /health` on the engine every interval; readiness follows the
+//! last answer (200 within the timeout is healthy).
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+
+use super::readiness::Readiness;
+use crate::proxy::upstream::Upstream;
+
+/// One check: whether the engine answered 200.
+pub async fn check(client: &Upstream, engine: &str, timeout: Duration) -> bool {
+    let Ok(req) = Request::get(format!("http://{engine}/health")).body(Body::empty()) else {
+        return false;
+    };
+    matches!(
+        tokio::time::timeout(timeout, client.request(req)).await,
+        Ok(Ok(resp)) if resp.status() == StatusCode::OK
+    )
+}
+
+/// Polls forever, logging transitions.
+pub async fn run(
+    client: Upstream,
+    engine: String,
+    every: Duration,
+    timeout: Duration,
+    readiness: Readiness,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = None;
+    loop {
+        tick.tick().await;
+        let ok = check(&client, &engine, timeout).await;
+        if last != Some(ok) {
+            tracing::info!(engine = %engine, healthy = ok, "engine health changed");
+            last = Some(ok);
+        }
+        readiness.set_engine_healthy(ok);
+    }
+}

@@ -1,0 +1,124 @@
+//! The proxy's command-line flags (flattened into the sidecar's `Args`).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::health::HealthArgs;
+
+use super::retry::RetryPolicy;
+
+/// Default request-body bound: 16 MiB.
+pub const DEFAULT_MAX_BODY: usize = 16 << 20;
+
+/// P/D proxy, SSRF protection, health and drain.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProxyArgs {
+    /// Largest request body the proxy accepts (413 beyond).
+    #[arg(long, default_value_t = DEFAULT_MAX_BODY)]
+    pub proxy_max_body_bytes: usize,
+    /// Prefill-leg attempts in all (retries on 502/503/504, connect errors, timeouts).
+    #[arg(long, default_value_t = 3)]
+    pub prefill_max_attempts: u32,
+    /// Delay before the first prefill retry; doubles per retry.
+    #[arg(long, default_value_t = 100)]
+    pub prefill_retry_backoff_ms: u64,
+    /// Upper bound on one prefill retry delay.
+    #[arg(long, default_value_t = 2000)]
+    pub prefill_max_backoff_ms: u64,
+    /// Per prefill attempt: the whole answer within this.
+    #[arg(long, default_value_t = 60_000)]
+    pub prefill_timeout_ms: u64,
+    /// TCP connect timeout towards the engine and prefillers.
+    #[arg(long, default_value_t = 2000)]
+    pub upstream_connect_timeout_ms: u64,
+    /// The prefiller allow-list: the EPP's discovery YAML or a list of ip:port (watched). In
+    /// Kubernetes: the InferencePool's endpoints.
+    #[arg(long, env = "KVGATE_PREFILLER_ALLOW_LIST")]
+    pub prefiller_allow_list: Option<PathBuf>,
+    /// How often the allow-list file is checked for changes.
+    #[arg(long, default_value_t = 2000)]
+    pub allow_list_poll_ms: u64,
+    /// Contact any prefiller the header names (turns SSRF protection off; trusted networks only).
+    #[arg(long)]
+    pub disable_ssrf_protection: bool,
+    /// Health, readiness and drain.
+    #[command(flatten)]
+    pub health: HealthArgs,
+}
+
+impl ProxyArgs {
+    /// Checks what clap cannot.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.proxy_max_body_bytes == 0 {
+            return Err("--proxy-max-body-bytes must be positive".into());
+        }
+        if self.prefill_max_attempts == 0 {
+            return Err("--prefill-max-attempts must be at least 1".into());
+        }
+        if self.prefill_timeout_ms == 0 || self.upstream_connect_timeout_ms == 0 {
+            return Err(
+                "--prefill-timeout-ms and --upstream-connect-timeout-ms must be positive".into(),
+            );
+        }
+        if self.allow_list_poll_ms == 0 {
+            return Err("--allow-list-poll-ms must be positive".into());
+        }
+        if self.disable_ssrf_protection && self.prefiller_allow_list.is_some() {
+            return Err(
+                "--disable-ssrf-protection and --prefiller-allow-list contradict each other".into(),
+            );
+        }
+        self.health.validate()
+    }
+
+    /// The prefill retry policy.
+    pub fn retry(&self) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: self.prefill_max_attempts,
+            backoff: Duration::from_millis(self.prefill_retry_backoff_ms),
+            max_backoff: Duration::from_millis(self.prefill_max_backoff_ms),
+        }
+    }
+}
+
+/// The `host:port` of an `http://host:port[/]` engine URL.
+pub fn engine_authority(url: &str) -> Result<String, String> {
+    let uri: axum::http::Uri = url
+        .parse()
+        .map_err(|e| format!("--engine-url {url:?}: {e}"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(format!("--engine-url {url:?} must be http://host:port"));
+    }
+    if uri.path_and_query().is_some_and(|pq| pq.as_str() != "/") {
+        return Err(format!("--engine-url {url:?} must have no path"));
+    }
+    uri.authority()
+        .map(ToString::to_string)
+        .ok_or_else(|| format!("--engine-url {url:?} has no host"))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::panic
+    )]
+    use super::*;
+
+    #[test]
+    fn engine_url_forms() {
+        assert_eq!(
+            engine_authority("http://127.0.0.1:8200").unwrap(),
+            "127.0.0.1:8200"
+        );
+        assert_eq!(
+            engine_authority("http://engine:8200/").unwrap(),
+            "engine:8200"
+        );
+        assert!(engine_authority("https://127.0.0.1:8200").is_err());
+        assert!(engine_authority("http://127.0.0.1:8200/v1").is_err());
+        assert!(engine_authority("127.0.0.1:8200").is_err());
+    }
+}

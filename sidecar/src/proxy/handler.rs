@@ -1,0 +1,206 @@
+//! The request handler on :8000: pass-through to the local engine, or the P/D flow when the
+//! request names a prefiller (`x-prefiller-host-port`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderValue, Request, Response, Uri, header};
+use bytes::Bytes;
+use tracing::Instrument as _;
+
+use super::body::{Tracked, collect, is_over_limit, limited};
+use super::error::ProxyError;
+use super::headers::{PREFILLER_HEADER, Prefiller, prefiller, strip_hop_by_hop};
+use super::metrics::{InFlight, Mode, ProxyMetrics};
+use super::prefill::{self, PrefillConfig, Prefilled};
+use super::rewrite::{self, Api};
+use super::ssrf::SsrfPolicy;
+use super::upstream::Upstream;
+
+/// Everything a request needs, shared.
+#[derive(Debug)]
+pub struct ProxyState {
+    /// Client for the engine and prefillers.
+    pub client: Upstream,
+    /// The engine's authority (`127.0.0.1:8200`).
+    pub engine: String,
+    /// Which prefillers may be contacted.
+    pub ssrf: SsrfPolicy,
+    /// The prefill leg's settings.
+    pub prefill: PrefillConfig,
+    /// Largest request body accepted.
+    pub max_body: usize,
+    /// Counters.
+    pub metrics: Arc<ProxyMetrics>,
+}
+
+/// The axum handler for every method and path.
+pub async fn handle(State(state): State<Arc<ProxyState>>, req: Request<Body>) -> Response<Body> {
+    let started = Instant::now();
+    let guard = state.metrics.in_flight();
+    let request_id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let target = match prefiller(req.headers()) {
+        Prefiller::At(addr) if Api::from_path(req.uri().path()).is_some() => Ok(Some(addr)),
+        Prefiller::Malformed(raw) if Api::from_path(req.uri().path()).is_some() => {
+            Err(ProxyError::BadPrefillerHeader(raw))
+        }
+        _ => Ok(None),
+    };
+    let (mode, result) = match target {
+        Ok(None) => {
+            let span = tracing::debug_span!("proxy", mode = "passthrough", %request_id, path = %req.uri().path());
+            (
+                Mode::Passthrough,
+                passthrough(&state, req, started, guard)
+                    .instrument(span)
+                    .await,
+            )
+        }
+        Ok(Some(addr)) => {
+            let span = tracing::info_span!("proxy", mode = "pd", %request_id, prefiller = %addr);
+            (
+                Mode::Pd,
+                pd(&state, req, addr, started, guard).instrument(span).await,
+            )
+        }
+        Err(e) => (Mode::Pd, Err(e)),
+    };
+    let resp = result.unwrap_or_else(|e| {
+        if matches!(e, ProxyError::PrefillerNotAllowed(_) | ProxyError::NoAllowList) {
+            state.metrics.ssrf_refusal();
+        }
+        tracing::warn!(mode = mode.label(), %request_id, reason = e.metric_label(), error = %e, "proxy answered with an error");
+        e.into_response()
+    });
+    state.metrics.request(mode, resp.status().as_u16());
+    resp
+}
+
+fn engine_uri(state: &ProxyState, uri: &Uri) -> Result<Uri, ProxyError> {
+    let pq = uri.path_and_query().map_or("/", |pq| pq.as_str());
+    format!("http://{}{pq}", state.engine)
+        .parse()
+        .map_err(|e| ProxyError::BadBody(format!("bad request target: {e}")))
+}
+
+/// Sends a prepared request to the engine and relays its answer as it arrives.
+async fn to_engine(
+    state: &ProxyState,
+    mode: Mode,
+    req: Request<Body>,
+    started: Instant,
+    upstream_before: Duration,
+    guard: InFlight,
+) -> Result<Response<Body>, ProxyError> {
+    let sent = Instant::now();
+    let resp = state.client.request(req).await.map_err(|e| {
+        if is_over_limit(&e) {
+            ProxyError::TooLarge {
+                limit: state.max_body,
+            }
+        } else {
+            ProxyError::Engine(super::prefill::error_chain(&e))
+        }
+    })?;
+    let waited = upstream_before + sent.elapsed();
+    state
+        .metrics
+        .added_latency(mode, started.elapsed().saturating_sub(waited));
+    let (mut parts, incoming) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    Ok(Response::from_parts(
+        parts,
+        Body::new(Tracked::new(incoming, guard)),
+    ))
+}
+
+async fn passthrough(
+    state: &ProxyState,
+    req: Request<Body>,
+    started: Instant,
+    guard: InFlight,
+) -> Result<Response<Body>, ProxyError> {
+    let (mut parts, body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > state.max_body as u64) {
+        return Err(ProxyError::TooLarge {
+            limit: state.max_body,
+        });
+    }
+    parts.uri = engine_uri(state, &parts.uri)?;
+    strip_hop_by_hop(&mut parts.headers);
+    parts.headers.remove(PREFILLER_HEADER);
+    let req = Request::from_parts(parts, limited(body, state.max_body));
+    to_engine(
+        state,
+        Mode::Passthrough,
+        req,
+        started,
+        Duration::ZERO,
+        guard,
+    )
+    .await
+}
+
+async fn pd(
+    state: &ProxyState,
+    req: Request<Body>,
+    prefiller: std::net::SocketAddr,
+    started: Instant,
+    guard: InFlight,
+) -> Result<Response<Body>, ProxyError> {
+    state.ssrf.check(&prefiller)?;
+    let api = Api::from_path(req.uri().path())
+        .ok_or_else(|| ProxyError::BadBody("not a generation path".into()))?;
+    let (mut parts, body) = req.into_parts();
+    let bytes = collect(body, state.max_body).await?;
+    let original =
+        rewrite::parse_request(&bytes).map_err(|e| ProxyError::BadBody(e.to_string()))?;
+    strip_hop_by_hop(&mut parts.headers);
+    parts.headers.remove(PREFILLER_HEADER);
+    parts.headers.remove(header::CONTENT_LENGTH);
+
+    let prefill_body = Bytes::from(rewrite::to_bytes(&rewrite::prefill_request(api, &original)));
+    let path = parts.uri.path().to_owned();
+    let (outcome, waited) = prefill::run(
+        &state.client,
+        &state.prefill,
+        &state.metrics,
+        prefiller,
+        &path,
+        &parts.headers,
+        prefill_body,
+    )
+    .await;
+    let params = match outcome? {
+        Prefilled::Params(p) => p,
+        Prefilled::Refused(status, body) => {
+            let mut resp = Response::new(Body::from(body));
+            *resp.status_mut() = status;
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            return Ok(resp);
+        }
+    };
+    tracing::debug!(?params, "prefill done");
+    let decode = rewrite::to_bytes(&rewrite::decode_request(original, params));
+    parts.uri = engine_uri(state, &parts.uri)?;
+    parts
+        .headers
+        .insert(header::CONTENT_LENGTH, HeaderValue::from(decode.len()));
+    let req = Request::from_parts(parts, Body::from(decode));
+    to_engine(state, Mode::Pd, req, started, waited, guard).await
+}

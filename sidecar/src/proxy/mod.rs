@@ -1,0 +1,32 @@
+//! The P/D proxy on :8000 in front of the engine on :8200.
+//!
+//! Without `x-prefiller-host-port` a request passes straight through: headers minus hop-by-hop
+//! ones, the body streamed up and the answer (SSE included) streamed back frame by frame. With
+//! it, and only on `/v1/completions` and `/v1/chat/completions`, the proxy runs vLLM's NIXL
+//! connector flow as llm-d's routing sidecar does: a one-token, non-streaming prefill on the
+//! named prefiller (retried, see [`retry`]), then the client's own request on the local engine
+//! carrying the `kv_transfer_params` the prefiller returned. Prefillers outside the allow-list
+//! are never contacted ([`ssrf`]).
+//!
+//! Pure parts: [`rewrite`], [`headers`], [`allowlist`], [`retry`]; I/O: [`handler`],
+//! [`prefill`], [`server`], [`ssrf::watch`].
+
+pub mod allowlist;
+mod args;
+pub mod body;
+pub mod error;
+pub mod handler;
+pub mod headers;
+pub mod metrics;
+pub mod prefill;
+pub mod retry;
+pub mod rewrite;
+pub mod server;
+pub mod ssrf;
+pub mod upstream;
+
+pub use args::{DEFAULT_MAX_BODY, ProxyArgs, engine_authority};
+pub use error::ProxyError;
+pub use handler::ProxyState;
+pub use metrics::{Mode, ProxyMetrics};
+pub use server::{BoundProxy, bind};

@@ -1,0 +1,183 @@
+//! The prefill leg of the P/D flow: the rewritten request to the named prefiller, retried per
+//! [`RetryPolicy`], answered by the `kv_transfer_params` the decode leg needs.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderValue, Request, StatusCode, Uri, header};
+use bytes::Bytes;
+use http_body_util::BodyExt as _;
+use serde_json::Value;
+
+use super::body::collect;
+use super::error::ProxyError;
+use super::metrics::ProxyMetrics;
+use super::retry::{Failure, Retrier, RetryPolicy, Step};
+use super::rewrite;
+use super::upstream::Upstream;
+
+/// What the prefill leg needs.
+#[derive(Debug, Clone)]
+pub struct PrefillConfig {
+    /// Retries.
+    pub retry: RetryPolicy,
+    /// Per attempt: response head and body within this.
+    pub timeout: Duration,
+    /// Largest prefill response body read.
+    pub max_body: usize,
+}
+
+/// How the leg ended, when it did not fail.
+#[derive(Debug)]
+pub enum Prefilled {
+    /// The params for the decode leg.
+    Params(Value),
+    /// The prefiller refused the request itself (4xx): the client gets that answer as is.
+    Refused(StatusCode, Bytes),
+}
+
+/// One failed attempt.
+#[derive(Debug)]
+struct AttemptError {
+    failure: Failure,
+    reason: String,
+    refused: Option<(StatusCode, Bytes)>,
+}
+
+impl AttemptError {
+    fn new(failure: Failure, reason: impl Into<String>) -> Self {
+        Self {
+            failure,
+            reason: reason.into(),
+            refused: None,
+        }
+    }
+}
+
+/// Runs the leg. Returns the outcome and the time spent waiting on the prefiller (attempts and
+/// backoff), which is not the proxy's own overhead.
+pub async fn run(
+    client: &Upstream,
+    config: &PrefillConfig,
+    metrics: &ProxyMetrics,
+    prefiller: SocketAddr,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> (Result<Prefilled, ProxyError>, Duration) {
+    let started = Instant::now();
+    let mut retrier = Retrier::new(config.retry);
+    loop {
+        let attempt = retrier.start_attempt();
+        metrics.prefill_attempt();
+        let result = tokio::time::timeout(
+            config.timeout,
+            once(client, config, prefiller, path, headers, body.clone()),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(AttemptError::new(
+                Failure::Timeout,
+                format!("no answer within {} ms", config.timeout.as_millis()),
+            ))
+        });
+        let err = match result {
+            Ok(params) => return (Ok(Prefilled::Params(params)), started.elapsed()),
+            Err(e) => e,
+        };
+        metrics.prefill_failure(err.failure);
+        tracing::warn!(%prefiller, attempt, reason = %err.reason, "prefill attempt failed");
+        if let Some((status, body)) = err.refused {
+            return (Ok(Prefilled::Refused(status, body)), started.elapsed());
+        }
+        match retrier.after_failure(err.failure) {
+            Step::RetryAfter(delay) => tokio::time::sleep(delay).await,
+            Step::GiveUp => {
+                let e = ProxyError::PrefillFailed {
+                    prefiller: prefiller.to_string(),
+                    attempts: retrier.attempts(),
+                    reason: err.reason,
+                };
+                return (Err(e), started.elapsed());
+            }
+        }
+    }
+}
+
+async fn once(
+    client: &Upstream,
+    config: &PrefillConfig,
+    prefiller: SocketAddr,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Value, AttemptError> {
+    let uri: Uri = format!("http://{prefiller}{path}")
+        .parse()
+        .map_err(|e| AttemptError::new(Failure::Connect, format!("bad prefiller URI: {e}")))?;
+    let mut req = Request::post(uri)
+        .body(Body::from(body.clone()))
+        .map_err(|e| AttemptError::new(Failure::Connect, e.to_string()))?;
+    *req.headers_mut() = headers.clone();
+    req.headers_mut().remove(header::HOST);
+    req.headers_mut().remove(header::ACCEPT_ENCODING);
+    req.headers_mut()
+        .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+    req.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let resp = client.request(req).await.map_err(|e| {
+        let chain = error_chain(&e);
+        if e.is_connect() {
+            AttemptError::new(Failure::Connect, format!("connect failed: {chain}"))
+        } else {
+            AttemptError::new(Failure::Io, format!("request failed: {chain}"))
+        }
+    })?;
+    let status = resp.status();
+    let bytes = match collect(
+        Body::new(resp.into_body().map_err(axum::Error::new)),
+        config.max_body,
+    )
+    .await
+    {
+        Ok(b) => b,
+        Err(e) => {
+            return Err(AttemptError::new(
+                Failure::Io,
+                format!("reading the response: {e}"),
+            ));
+        }
+    };
+    if let Some(failure) = Failure::from_status(status) {
+        let reason = format!(
+            "status {}: {}",
+            status.as_u16(),
+            String::from_utf8_lossy(&bytes)
+                .chars()
+                .take(200)
+                .collect::<String>()
+        );
+        let mut err = AttemptError::new(failure, reason);
+        if status.is_client_error() {
+            err.refused = Some((status, bytes));
+        }
+        return Err(err);
+    }
+    rewrite::transfer_params(&bytes)
+        .map_err(|e| AttemptError::new(Failure::BadResponse, e.to_string()))
+}
+
+/// An error and its causes on one line (`a: b: c`).
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cur = c.source();
+    }
+    out
+}
