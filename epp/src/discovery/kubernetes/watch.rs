@@ -101,8 +101,10 @@ impl ErrorLog {
         self.failing += 1;
     }
 
-    fn ok(&mut self) {
-        if self.failing > 0 {
+    /// An event arrived. `Init` opens every (re)list attempt, before its request, so only the
+    /// events after it show the watch works again.
+    fn ok<K>(&mut self, event: &Event<K>) {
+        if self.failing > 0 && !matches!(event, Event::Init) {
             tracing::info!(
                 watch = self.what,
                 failures = self.failing,
@@ -196,7 +198,7 @@ async fn watch_pool<K>(
     while let Some(event) = stream.next().await {
         match event {
             Ok(event) => {
-                errors.ok();
+                errors.ok(&event);
                 if let Event::Apply(p) | Event::InitApply(p) = &event {
                     tracing::info!(pool = %p.name_any(), api = what, "InferencePool seen");
                 }
@@ -235,7 +237,7 @@ async fn watch_pods(
                 }
                 event = stream.next() => match event {
                     Some(Ok(event)) => {
-                        errors.ok();
+                        errors.ok(&event);
                         let event = store_event(event, pod_view);
                         shared.update(|s| s.pod_event(event));
                     }
@@ -264,7 +266,7 @@ async fn watch_objectives<K>(
     while let Some(event) = stream.next().await {
         match event {
             Ok(event) => {
-                errors.ok();
+                errors.ok(&event);
                 objectives.apply(group, store_event(event, |k| Some(view(k))));
             }
             Err(e) => errors.error(&e),
