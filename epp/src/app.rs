@@ -1,7 +1,6 @@
 //! Composition: builds the routing state from the arguments, runs discovery, KV-event
 //! ingestion and index maintenance beside the ext_proc server, and shuts down on SIGINT/SIGTERM.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -10,10 +9,11 @@ use kv_events::key::SaltStyle;
 use kv_index::{IndexConfig, KvIndex};
 use scheduler::{InflightTracker, LoadBook, Scheduler, SchedulerConfig};
 
-use crate::args::{Args, Discovery, EngineArg};
+use crate::args::{Args, Discovery, EngineArg, PoolGroupArg};
 use crate::discovery::Datastore;
 use crate::discovery::apply::{NodeIds, Targets, apply};
-use crate::discovery::file::{FileWatch, parse};
+use crate::discovery::file::{FileWatch, Parsed, parse};
+use crate::discovery::kubernetes::{KubeDiscovery, PoolGroup, WatchConfig};
 use crate::ingest::nats::{NatsConfig, NatsIngest, SharingConfig, random_replica_id};
 use crate::ingest::zmq_direct::{DirectSource, Ingester};
 use crate::routing::keys::{Keyer, ModelTokenizer};
@@ -65,16 +65,6 @@ struct State {
 /// Runs the EPP until a shutdown signal.
 pub fn run(args: Args) -> Result<(), AppError> {
     args.validate().map_err(config_error)?;
-    if args.discovery == Discovery::Kubernetes {
-        return Err(AppError::Start(
-            cli_support::NotInThisBuild {
-                component: "kvgate-epp",
-                capability: "Kubernetes discovery (InferencePool reflectors); use --discovery file",
-                issue: 5,
-            }
-            .into(),
-        ));
-    }
     let scheduler_config = match &args.config {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -132,17 +122,22 @@ pub fn run(args: Args) -> Result<(), AppError> {
         }
         None => crate::routing::rewrite::RewriteRules::default(),
     };
-    let picker = Arc::new(
-        Picker::new(
-            keyer,
-            scheduler,
-            Arc::clone(&state.index),
-            Arc::clone(&state.inflight),
-            Arc::clone(&state.loads),
-            Arc::clone(&state.datastore),
-        )
-        .with_rewrites(rewrites),
-    );
+    let feed = start_feed(&args)?;
+    let mut picker = Picker::new(
+        keyer,
+        scheduler,
+        Arc::clone(&state.index),
+        Arc::clone(&state.inflight),
+        Arc::clone(&state.loads),
+        Arc::clone(&state.datastore),
+    )
+    .with_rewrites(rewrites);
+    if let Feed::Kube(kube) = &feed {
+        let objectives: Arc<dyn crate::routing::picker::Objectives> =
+            Arc::clone(kube.objectives()) as _;
+        picker = picker.with_objectives(objectives);
+    }
+    let picker = Arc::new(picker);
     let readiness = Readiness::new();
     let stop = Arc::new(AtomicBool::new(false));
     let ingester = Ingester::new(Arc::clone(&state.index));
@@ -198,13 +193,12 @@ pub fn run(args: Args) -> Result<(), AppError> {
             readiness.clone(),
             Arc::clone(&picker),
         );
-        let file = args.endpoints_file.clone().unwrap_or_default();
         let (model, block_size) = (args.model.clone(), args.block_size);
         std::thread::Builder::new()
             .name("discovery".into())
             .spawn(move || {
                 background_loop(
-                    &state, &picker, ingester, &scraper, file, &model, block_size, &readiness,
+                    &state, &picker, ingester, &scraper, feed, &model, block_size, &readiness,
                     &stop,
                 )
             })
@@ -251,6 +245,37 @@ fn nats_config(args: &Args) -> Option<NatsConfig> {
     })
 }
 
+/// Where endpoints come from.
+enum Feed {
+    /// The endpoints file, polled.
+    File(FileWatch),
+    /// Kubernetes watchers on their own thread.
+    Kube(Box<KubeDiscovery>),
+}
+
+fn start_feed(args: &Args) -> Result<Feed, AppError> {
+    Ok(match args.discovery {
+        Discovery::File => Feed::File(FileWatch::new(
+            args.endpoints_file.clone().unwrap_or_default(),
+        )),
+        Discovery::Kubernetes => {
+            let group = match args.pool_group {
+                PoolGroupArg::Auto => PoolGroup::Auto,
+                PoolGroupArg::V1 => PoolGroup::V1,
+                PoolGroupArg::V1Alpha2 => PoolGroup::V1Alpha2,
+            };
+            let config = WatchConfig {
+                pool_name: args.pool_name.clone(),
+                namespace: args.pool_namespace.clone(),
+                group,
+            };
+            Feed::Kube(Box::new(
+                KubeDiscovery::start(config).map_err(|e| config_error(e.to_string()))?,
+            ))
+        }
+    })
+}
+
 /// Discovery, ingestion and expiry, on one thread.
 #[allow(clippy::too_many_arguments)]
 fn background_loop(
@@ -258,57 +283,78 @@ fn background_loop(
     picker: &Picker,
     mut ingester: Ingester,
     scraper: &crate::load::Scraper,
-    file: PathBuf,
+    mut feed: Feed,
     model: &str,
     block_size: u32,
     readiness: &Readiness,
     stop: &AtomicBool,
 ) {
-    let mut watch = FileWatch::new(file);
     let mut warned = false;
+    let mut install = |parsed: Vec<Parsed>| {
+        let sources = direct_sources(state, &parsed, model, block_size);
+        let targets = Targets {
+            datastore: &state.datastore,
+            index: &state.index,
+            inflight: &state.inflight,
+            loads: &state.loads,
+            scheduler: &state.scheduler_for_upkeep,
+            nodes: &state.nodes,
+        };
+        let (count, removed) = apply(&targets, parsed);
+        ingester.sync(sources);
+        scraper.sync(
+            state
+                .datastore
+                .snapshot()
+                .iter()
+                .map(|e| (e.id, e.address))
+                .collect(),
+        );
+        (count, removed, ingester.len())
+    };
     while !stop.load(Ordering::Relaxed) {
-        match watch.poll() {
-            Ok(Some(text)) => match parse(watch.path(), &text) {
-                Ok(parsed) => {
-                    let sources = direct_sources(state, &parsed, model, block_size);
-                    let targets = Targets {
-                        datastore: &state.datastore,
-                        index: &state.index,
-                        inflight: &state.inflight,
-                        loads: &state.loads,
-                        scheduler: &state.scheduler_for_upkeep,
-                        nodes: &state.nodes,
-                    };
-                    let (count, removed) = apply(&targets, parsed);
-                    ingester.sync(sources);
-                    scraper.sync(
-                        state
-                            .datastore
-                            .snapshot()
-                            .iter()
-                            .map(|e| (e.id, e.address))
-                            .collect(),
-                    );
+        match &mut feed {
+            Feed::File(watch) => match watch.poll() {
+                Ok(Some(text)) => match parse(watch.path(), &text) {
+                    Ok(parsed) => {
+                        let (count, removed, subscriptions) = install(parsed);
+                        tracing::info!(
+                            endpoints = count,
+                            removed,
+                            subscriptions,
+                            "endpoints loaded from {}",
+                            watch.path().display()
+                        );
+                        readiness.set(count > 0);
+                        warned = false;
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "endpoints file refused; keeping the previous endpoints")
+                    }
+                },
+                Ok(None) => {}
+                Err(e) if !warned => {
+                    tracing::error!(error = %e, "endpoints file unreadable; keeping the previous endpoints");
+                    warned = true;
+                }
+                Err(_) => {}
+            },
+            Feed::Kube(kube) => {
+                if let Some(snapshot) = kube.changed() {
+                    let ready_endpoints = snapshot.endpoints.iter().filter(|e| e.ready).count();
+                    let (count, removed, subscriptions) = install(snapshot.endpoints);
                     tracing::info!(
                         endpoints = count,
+                        ready_endpoints,
                         removed,
-                        subscriptions = ingester.len(),
-                        "endpoints loaded from {}",
-                        watch.path().display()
+                        subscriptions,
+                        synced = snapshot.ready,
+                        objectives = kube.objectives().len(),
+                        "endpoints updated from Kubernetes"
                     );
-                    readiness.set(count > 0);
-                    warned = false;
+                    readiness.set(snapshot.ready);
                 }
-                Err(e) => {
-                    tracing::error!(error = %e, "endpoints file refused; keeping the previous endpoints")
-                }
-            },
-            Ok(None) => {}
-            Err(e) if !warned => {
-                tracing::error!(error = %e, "endpoints file unreadable; keeping the previous endpoints");
-                warned = true;
             }
-            Err(_) => {}
         }
         state
             .scheduler_for_upkeep
@@ -319,7 +365,7 @@ fn background_loop(
 
 fn direct_sources(
     state: &State,
-    parsed: &[crate::discovery::file::Parsed],
+    parsed: &[Parsed],
     model: &str,
     block_size: u32,
 ) -> Vec<DirectSource> {

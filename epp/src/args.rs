@@ -11,6 +11,19 @@ pub enum Discovery {
     File,
 }
 
+/// Which InferencePool API versions Kubernetes discovery watches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PoolGroupArg {
+    /// Both; `inference.networking.k8s.io/v1` wins when the pool exists in both.
+    Auto,
+    /// `inference.networking.k8s.io/v1` only.
+    #[value(name = "inference.networking.k8s.io", alias = "v1")]
+    V1,
+    /// `inference.networking.x-k8s.io/v1alpha2` only.
+    #[value(name = "inference.networking.x-k8s.io", alias = "v1alpha2")]
+    V1Alpha2,
+}
+
 /// How the pool's engines fold a request's `cache_salt` into their block hashes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum EngineArg {
@@ -27,11 +40,17 @@ pub struct Args {
     /// InferencePool this EPP serves.
     #[arg(long, env = "KVGATE_POOL_NAME")]
     pub pool_name: String,
-    /// Namespace of the InferencePool (the pod's own namespace through the downward API);
-    /// also the `<namespace>` token of the NATS subjects.
+    /// Namespace of the InferencePool; its Pods and InferenceObjectives are watched there too
+    /// (the Downward API's POD_NAMESPACE puts the EPP's own namespace here). Also the
+    /// `<namespace>` token of the NATS subjects.
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub pool_namespace: String,
-    /// Endpoint discovery mode.
+    /// InferencePool API group for `--discovery kubernetes`: `auto` watches both versions.
+    #[arg(long, value_enum, env = "KVGATE_POOL_GROUP", default_value_t = PoolGroupArg::Auto)]
+    pub pool_group: PoolGroupArg,
+    /// Endpoint discovery mode. `kubernetes` uses the in-cluster service account (or a
+    /// kubeconfig) and needs get/list/watch on pods, inferencepools and inferenceobjectives in
+    /// the pool namespace; `file` reads `--endpoints-file`.
     #[arg(long, value_enum, default_value_t = Discovery::Kubernetes)]
     pub discovery: Discovery,
     /// Endpoints file, for `--discovery file`.
@@ -122,6 +141,9 @@ impl Args {
         if self.discovery == Discovery::File && self.endpoints_file.is_none() {
             return Err("--discovery file needs --endpoints-file".into());
         }
+        if self.pool_name.is_empty() || self.pool_namespace.is_empty() {
+            return Err("--pool-name and --pool-namespace must not be empty".into());
+        }
         let ports = [self.grpc_port, self.grpc_health_port, self.metrics_port];
         if ports
             .iter()
@@ -186,6 +208,24 @@ mod tests {
         assert!(!a.inflight_sharing);
         let a = with(&["--snapshot-timeout-ms", "0"]);
         assert!(a.validate().unwrap_err().contains("snapshot"));
+    }
+
+    #[test]
+    fn pool_group_and_namespace() {
+        let base = ["kvgate-epp", "--pool-name", "p"];
+        let with = |extra: &[&str]| Args::try_parse_from(base.iter().chain(extra));
+        assert_eq!(with(&[]).unwrap().pool_group, PoolGroupArg::Auto);
+        for (arg, want) in [
+            ("inference.networking.k8s.io", PoolGroupArg::V1),
+            ("v1", PoolGroupArg::V1),
+            ("inference.networking.x-k8s.io", PoolGroupArg::V1Alpha2),
+            ("v1alpha2", PoolGroupArg::V1Alpha2),
+        ] {
+            assert_eq!(with(&["--pool-group", arg]).unwrap().pool_group, want);
+        }
+        assert!(with(&["--pool-group", "apps"]).is_err());
+        let a = with(&["--pool-namespace", ""]).unwrap();
+        assert!(a.validate().unwrap_err().contains("--pool-namespace"));
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub mod metrics;
 pub mod routing;
 pub mod server;
 
-pub use args::{Args, Discovery, EngineArg};
+pub use args::{Args, Discovery, EngineArg, PoolGroupArg};
 
 /// Runs the EPP until SIGINT/SIGTERM (see [`app`]).
 pub fn run(args: Args) -> Result<(), app::AppError> {

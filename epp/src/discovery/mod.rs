@@ -1,8 +1,10 @@
-//! Where endpoints come from: a watched YAML file (running without Kubernetes) or, later, the
-//! InferencePool and its Pods through kube-rs. Both write the same synchronous [`Datastore`].
+//! Where endpoints come from: a watched YAML file (running without Kubernetes) or the
+//! InferencePool and its Pods through kube-rs ([`kubernetes`]). Both produce the same endpoint
+//! list, installed by [`apply::apply`] into the synchronous [`Datastore`].
 
 pub mod apply;
 pub mod datastore;
 pub mod file;
+pub mod kubernetes;
 
 pub use datastore::{Datastore, EndpointKey};

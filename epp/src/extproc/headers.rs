@@ -13,8 +13,8 @@ use super::{
 
 /// Control headers a client must not send upstream: the EPP's inputs (read, then stripped) and its
 /// outputs (only the EPP sets them). GIE's "system-owned" headers
-/// (`pkg/epp/util/request/headers.go`), plus the P/D prefill target, which a model-server sidecar
-/// trusts.
+/// (`pkg/epp/util/request/headers.go`), llm-d's spelling of the objective header, plus the P/D
+/// prefill target, which a model-server sidecar trusts.
 const CONTROL_HEADERS: &[&str] = &[
     DESTINATION_ENDPOINT_HEADER,
     SERVED_ENDPOINT_HEADER,
