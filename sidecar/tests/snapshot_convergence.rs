@@ -202,7 +202,7 @@ fn drive(ops: &[Op], max_keys: usize) -> Run {
     bridge.seal();
     let mut out = Vec::new();
     bridge.take_sealed(&mut out);
-    let last = ops.len().saturating_sub(1);
+    let last = ops.len();
     for s in out {
         sealed.push(s.envelope.clone());
         delivered.push((last, s.envelope));

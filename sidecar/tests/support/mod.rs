@@ -165,35 +165,32 @@ impl Sidecar {
         extra: &[&str],
     ) -> Sidecar {
         let [metrics_port, proxy_port] = free_ports::<2>();
+        let engine_url = format!("http://127.0.0.1:{engine_http}");
+        let (proxy, metrics) = (proxy_port.to_string(), metrics_port.to_string());
+        let base: [(&str, &str); 13] = [
+            ("--engine", "sim"),
+            ("--engine-url", &engine_url),
+            ("--kv-events-endpoint", publisher),
+            ("--replay-endpoint", replay),
+            ("--model", "tiny"),
+            ("--block-size", "16"),
+            ("--namespace", "ns"),
+            ("--pool", "pool"),
+            ("--pod", pod),
+            ("--nats-url", nats),
+            ("--proxy-port", &proxy),
+            ("--metrics-port", &metrics),
+            ("--load-interval-ms", "50"),
+        ];
+        // Flags given in `extra` replace the defaults.
+        let base = base
+            .iter()
+            .filter(|(flag, _)| !extra.contains(flag))
+            .flat_map(|(flag, value)| [*flag, *value]);
         let child = Command::new(env!("CARGO_BIN_EXE_kvgate-sidecar"))
-            .args([
-                "--engine",
-                "sim",
-                "--engine-url",
-                &format!("http://127.0.0.1:{engine_http}"),
-                "--kv-events-endpoint",
-                publisher,
-                "--replay-endpoint",
-                replay,
-                "--model",
-                "tiny",
-                "--block-size",
-                "16",
-                "--namespace",
-                "ns",
-                "--pool",
-                "pool",
-                "--pod",
-                pod,
-                "--nats-url",
-                nats,
-                "--proxy-port",
-                &proxy_port.to_string(),
-                "--metrics-port",
-                &metrics_port.to_string(),
-            ])
+            .args(base)
             .args(extra)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
