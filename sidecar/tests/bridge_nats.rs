@@ -289,3 +289,69 @@ fn request_a_keys() -> Vec<BlockKey> {
         .collect();
     request_block_keys("tiny", None, SaltStyle::VllmExtraKey, &ids, 32)
 }
+
+/// NATS goes away: the sidecar keeps consuming the engine and keeping its resident set, and
+/// when NATS is back it starts a new epoch whose snapshot holds what happened meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_outage_keeps_the_resident_set_and_resyncs_on_return() {
+    let nats = Nats::start();
+    let port = nats.port;
+    let sim = start_sim(&[]);
+    let mut rx = Receiver::connect(&nats.url(), "kvgate.kv.ns.pool.pod-n").await;
+    let sidecar = Sidecar::start(
+        &nats.url(),
+        sim.http,
+        &ep(sim.publisher),
+        &ep(sim.replay),
+        "pod-n",
+        &[],
+    );
+    wait_for("NATS connected", Duration::from_secs(10), || {
+        sidecar.metric("kvgate_sidecar_nats_connected") == 1.0
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let a = prompt(20, 2);
+    sim.complete(&a);
+    let want_a = keys(&a);
+    rx.until("prompt A", Duration::from_secs(10), |e| {
+        contains_all(&support::stored_keys(e), &want_a)
+    })
+    .await;
+    let epoch1 = rx.envelopes[0].epoch;
+    drop(rx);
+
+    drop(nats);
+    wait_for("NATS disconnected", Duration::from_secs(10), || {
+        sidecar.metric("kvgate_sidecar_nats_connected") == 0.0
+    });
+    let frames = sidecar.metric("kvgate_sidecar_frames_in_total");
+    let b = prompt(21, 3);
+    sim.complete(&b);
+    wait_for(
+        "frames consumed while NATS is away",
+        Duration::from_secs(10),
+        || sidecar.metric("kvgate_sidecar_frames_in_total") > frames,
+    );
+
+    let nats = Nats::start_on(port);
+    wait_for("NATS reconnected", Duration::from_secs(20), || {
+        sidecar.metric("kvgate_sidecar_nats_connected") == 1.0
+    });
+    let rx = Receiver::connect(&nats.url(), "kvgate.kv.ns.pool.pod-n").await;
+    wait_for("a resync", Duration::from_secs(10), || {
+        sidecar.metric("kvgate_sidecar_resyncs_total") >= 1.0
+    });
+    let snap = snapshot(&rx.client, "pod-n").await;
+    assert_ne!(snap.epoch, epoch1, "NATS's return starts a new epoch");
+    let resident: HashSet<BlockKey> = snap
+        .entries()
+        .filter(|(_, t)| *t == Tier::Gpu)
+        .map(|(k, _)| k)
+        .collect();
+    for k in want_a.iter().chain(&keys(&b)) {
+        assert!(
+            resident.contains(k),
+            "snapshot after the outage lacks {k:?}"
+        );
+    }
+}
