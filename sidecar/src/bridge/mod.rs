@@ -1,11 +1,8 @@
 //! The event bridge: engine ZMQ KV events in, kvgate envelopes on NATS out.
 //!
-//! - [`rank`]: one DP rank's pure core (decode, normalise, batch, seal, epoch, resident set).
-//! - [`resident`]: the resident set a receiver of the envelopes holds (snapshots come from it).
+//! - [`rank`], [`resident`], [`epoch`]: the pure per-rank core (crate `kvgate-kv-bridge`).
 //! - [`sink`]: the I/O edge on the rank's receive thread, queueing envelopes for NATS.
-//! - [`epoch`]: random epochs.
 
-pub mod epoch;
-pub mod rank;
-pub mod resident;
+pub use kv_bridge::{epoch, rank, resident};
+
 pub mod sink;

@@ -2,7 +2,7 @@
 //! seal → envelope encode (what the receive thread does per frame), over vLLM-shaped payloads.
 //!
 //! Prints sustained block events per second and the per-frame cost percentiles at a paced
-//! 100k block events/s. Run: `cargo bench -p kvgate-sidecar --bench relay`.
+//! 100k block events/s. Run: `cargo bench -p kvgate-kv-bridge --bench relay`.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -12,13 +12,13 @@
 
 use std::time::{Duration, Instant};
 
+use kv_bridge::rank::{BatchLimits, RankBridge, Sealed};
 use kv_events::engine::{
     BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, WireFormat, encode_batch,
 };
 use kv_events::envelope::EngineKind;
 use kv_events::tier::Medium;
 use kv_events::{NormalizerConfig, Source};
-use kvgate_sidecar::bridge::rank::{BatchLimits, RankBridge, Sealed};
 
 const BS: u32 = 16;
 

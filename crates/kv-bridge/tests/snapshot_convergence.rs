@@ -12,6 +12,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use kv_bridge::rank::{BatchLimits, RankBridge, Sealed};
 use kv_events::engine::{
     BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, WireFormat, encode_batch,
 };
@@ -19,7 +20,6 @@ use kv_events::envelope::EngineKind;
 use kv_events::snapshot::Snapshot;
 use kv_events::tier::Medium;
 use kv_events::{Envelope, KvEvent, NormalizerConfig, Source, Tier};
-use kvgate_sidecar::bridge::rank::{BatchLimits, RankBridge, Sealed};
 use proptest::prelude::*;
 
 const BS: u32 = 4;
