@@ -60,6 +60,31 @@ pub struct Args {
     pub metrics_port: u16,
     #[command(flatten)]
     pub proxy: crate::proxy::ProxyArgs,
+    /// Topic prefix to subscribe to on the engine's PUB socket (empty: every topic).
+    #[arg(long, default_value = "")]
+    pub kv_events_topic: String,
+    /// Do not use the engine's replay socket (gaps then always publish `Cleared`).
+    #[arg(long)]
+    pub no_replay: bool,
+    /// The pod's IP, written into the envelopes' source.
+    #[arg(long, env = "POD_IP")]
+    pub pod_ip: Option<String>,
+    /// The node the pod runs on, written into the envelopes' source.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// Most block keys in one envelope.
+    #[arg(long, default_value_t = 4096)]
+    pub batch_max_keys: usize,
+    /// Longest an engine event waits to be batched, in milliseconds (envelopes also go out as
+    /// soon as the engine socket has nothing more waiting).
+    #[arg(long, default_value_t = 5)]
+    pub batch_max_delay_ms: u64,
+    /// Envelopes queued for NATS at most; beyond it envelopes are dropped and a new epoch starts.
+    #[arg(long, default_value_t = 1024)]
+    pub publish_queue: usize,
+    /// Engine `/metrics` scrape interval for the load relay, in milliseconds.
+    #[arg(long, default_value_t = 50)]
+    pub load_interval_ms: u64,
 }
 
 impl Args {
@@ -73,6 +98,18 @@ impl Args {
         }
         self.proxy.validate()?;
         crate::proxy::engine_authority(&self.engine_url)?;
+        if self.batch_max_keys == 0 || self.batch_max_keys > 100_000 {
+            return Err("--batch-max-keys must be in 1..=100000".into());
+        }
+        if self.batch_max_delay_ms > 1000 {
+            return Err("--batch-max-delay-ms must be at most 1000".into());
+        }
+        if self.publish_queue == 0 {
+            return Err("--publish-queue must be positive".into());
+        }
+        if self.load_interval_ms == 0 {
+            return Err("--load-interval-ms must be positive".into());
+        }
         if self.proxy_port == self.metrics_port {
             return Err("--proxy-port and --metrics-port must differ".into());
         }

@@ -1,30 +1,38 @@
 //! `kvgate-sidecar` runs beside each model server: it turns the engine's ZMQ KV events into
-//! kvgate envelopes on NATS, answers snapshot requests, relays engine load, proxies
-//! prefill/decode requests on :8000 in front of the engine on :8200, and drains on SIGTERM.
+//! kvgate envelopes on NATS, answers snapshot requests from the pod's authoritative resident
+//! set, relays engine load, proxies requests on :8000 in front of the engine (plain or the P/D
+//! flow), serves health, readiness and metrics on :9091, and drains on SIGTERM, publishing
+//! `Cleared` once in-flight requests are done.
 //!
+//! Layout: [`bridge`] (pure per-rank core and the receive-thread edge), [`nats`] (publisher and
+//! snapshot responder), [`load`] (load relay over [`http`]), [`metrics`] (the composable
+//! metrics router), `app` (wiring). The receive loop and gap repair are `engine_zmq`'s, shared
+//! with the EPP's direct mode.
 //! Modules: [`proxy`] (pass-through and the P/D flow, SSRF allow-list), [`health`] (liveness,
 //! readiness, canary, drain), [`lifecycle`] (wiring).
 
+mod app;
 mod args;
+pub mod bridge;
 pub mod health;
+pub mod http;
 pub mod lifecycle;
+pub mod load;
+pub mod metrics;
+pub mod nats;
 pub mod proxy;
 
+pub use app::{AppError, source};
 pub use args::{Args, Engine};
 pub use lifecycle::RunError;
 
-/// Validates the configuration, then runs the proxy and health parts until SIGTERM.
-pub fn run(args: Args) -> Result<(), RunError> {
-    args.validate().map_err(cli_support::StartError::Config)?;
+/// Validates the configuration, then runs the sidecar until SIGTERM or SIGINT.
+pub fn run(args: Args) -> Result<(), AppError> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(RunError::Runtime)?;
-    runtime.block_on(lifecycle::run(args, std::sync::Arc::new(health::NoHook)))
+    app::run(args)
 }

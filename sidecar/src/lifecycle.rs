@@ -4,8 +4,8 @@
 //!
 //! The event bridge joins through [`Parts`]: the [`Readiness`] handle (its
 //! `set_kv_events_live`), the [`DrainHook`], and [`Parts::render_metrics`] for its `/metrics`.
-//! The :9091 server here serves only `health::router` and the proxy's metrics; when the bridge's
-//! `/metrics` server lands it mounts the same router and appends its own metrics to the page.
+//! The :9091 server serves `health::router` and one `/metrics` page: the bridge's metrics
+//! followed by the proxy's and readiness's.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -69,7 +69,11 @@ impl Parts {
 }
 
 /// Runs the proxy and health parts until a shutdown signal, then drains.
-pub async fn run(args: Args, hook: Arc<dyn DrainHook>) -> Result<(), RunError> {
+pub async fn run(
+    args: Args,
+    hook: Arc<dyn DrainHook>,
+    bridge: Option<Arc<crate::metrics::Metrics>>,
+) -> Result<(), RunError> {
     let p = &args.proxy;
     let engine = engine_authority(&args.engine_url).map_err(cli_support::StartError::Config)?;
     let client = upstream::client(Duration::from_millis(p.upstream_connect_timeout_ms));
@@ -147,8 +151,12 @@ pub async fn run(args: Args, hook: Arc<dyn DrainHook>) -> Result<(), RunError> {
         "/metrics",
         get(move || {
             let page = page.clone();
+            let bridge = bridge.clone();
             async move {
-                let mut out = String::with_capacity(4096);
+                let mut out = match &bridge {
+                    Some(b) => b.render(),
+                    None => String::with_capacity(4096),
+                };
                 page.render_metrics(&mut out);
                 out
             }

@@ -1,5 +1,6 @@
-//! One engine's event stream, as a pure state machine: sequence checking, decoding and
-//! normalisation. The I/O loop feeds it frames and acts on what it reports (replay, reset).
+//! One engine's event stream after sequencing: decoding and normalisation, as a pure state
+//! machine. Sequence checking and gap repair are `engine_zmq`'s; the I/O loop feeds this the
+//! frames that are in sequence and tells it when the stream was lost or restarted.
 
 use kv_events::KvEvent;
 use kv_events::engine::{Limits, decode_batch_with};
@@ -8,20 +9,8 @@ use kv_events::normalize::{Normalizer, NormalizerConfig};
 /// What a frame did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// In sequence; its events are in the output.
+    /// Decoded; its normalised events are in the output.
     Applied,
-    /// Frames `from..got` were missed; this frame was NOT applied. Replay from `from`, or reset.
-    Gap {
-        /// First missing seq.
-        from: u64,
-        /// This frame's seq.
-        got: u64,
-    },
-    /// The seq went backwards: the engine restarted (its cache is empty). The caller drops the
-    /// source's index entries; this frame was then applied as the first of a new stream.
-    Restarted,
-    /// Already seen (a replay overlapping the live stream); ignored.
-    Duplicate,
     /// The payload did not decode; skipped (and counted).
     Undecodable,
 }
@@ -31,10 +20,6 @@ pub enum Outcome {
 pub struct SourceStats {
     /// Frames applied.
     pub frames: u64,
-    /// Gaps detected.
-    pub gaps: u64,
-    /// Restarts detected.
-    pub restarts: u64,
     /// Payloads that failed to decode.
     pub undecodable: u64,
     /// Events the normaliser refused.
@@ -46,7 +31,6 @@ pub struct SourceStats {
 pub struct SourceState {
     normalizer: Normalizer,
     limits: Limits,
-    next: Option<u64>,
     stats: SourceStats,
 }
 
@@ -56,7 +40,6 @@ impl SourceState {
         Self {
             normalizer: Normalizer::new(NormalizerConfig::new(model, block_size)),
             limits: Limits::default(),
-            next: None,
             stats: SourceStats::default(),
         }
     }
@@ -69,55 +52,10 @@ impl SourceState {
     /// Forgets everything (after the caller dropped the source's index entries).
     pub fn reset(&mut self) {
         self.normalizer.reset();
-        self.next = None;
     }
 
-    /// The seq expected next, once known.
-    pub fn expected(&self) -> Option<u64> {
-        self.next
-    }
-
-    /// Accepts the stream from `seq` on without a gap (after a failed replay and a reset).
-    pub fn resync_at(&mut self, seq: u64) {
-        self.next = Some(seq);
-    }
-
-    /// Feeds a live frame; normalised events are appended to `out` when it is applied.
-    pub fn on_live(&mut self, seq: u64, payload: &[u8], out: &mut Vec<KvEvent>) -> Outcome {
-        match self.next {
-            Some(next) if seq > next => {
-                self.stats.gaps += 1;
-                return Outcome::Gap {
-                    from: next,
-                    got: seq,
-                };
-            }
-            Some(next) if seq < next && seq == 0 => {
-                self.stats.restarts += 1;
-                self.reset();
-                self.apply(seq, payload, out);
-                return Outcome::Restarted;
-            }
-            Some(next) if seq < next => return Outcome::Duplicate,
-            _ => {}
-        }
-        self.apply(seq, payload, out)
-    }
-
-    /// Feeds a replayed frame (older ones than expected are ignored).
-    pub fn on_replay(&mut self, seq: u64, payload: &[u8], out: &mut Vec<KvEvent>) -> Outcome {
-        match self.next {
-            Some(next) if seq < next => Outcome::Duplicate,
-            Some(next) if seq > next => Outcome::Gap {
-                from: next,
-                got: seq,
-            },
-            _ => self.apply(seq, payload, out),
-        }
-    }
-
-    fn apply(&mut self, seq: u64, payload: &[u8], out: &mut Vec<KvEvent>) -> Outcome {
-        self.next = Some(seq.saturating_add(1));
+    /// Decodes and normalises an in-sequence frame; events are appended to `out`.
+    pub fn apply(&mut self, seq: u64, payload: &[u8], out: &mut Vec<KvEvent>) -> Outcome {
         let batch = match decode_batch_with(payload, &self.limits) {
             Ok(b) => b,
             Err(e) => {
@@ -134,5 +72,34 @@ impl SourceState {
         }
         self.stats.frames += 1;
         Outcome::Applied
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use kv_events::engine::{BlockStored, EngineEvent, EngineHash, EventBatch, WireFormat};
+
+    #[test]
+    fn applies_decodable_frames_and_counts_the_rest() {
+        let mut s = SourceState::new("m", 2);
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![EngineEvent::BlockStored(BlockStored {
+                block_hashes: vec![EngineHash(1)],
+                token_ids: vec![1, 2],
+                block_size: 2,
+                ..BlockStored::default()
+            })],
+            dp_rank: None,
+        };
+        let payload = kv_events::engine::encode_batch(&batch, WireFormat::VllmMap);
+        let mut out = Vec::new();
+        assert_eq!(s.apply(0, &payload, &mut out), Outcome::Applied);
+        assert_eq!(out.len(), 1);
+        assert_eq!(s.apply(1, b"\xc1", &mut out), Outcome::Undecodable);
+        assert_eq!(s.stats().undecodable, 1);
+        assert_eq!(s.stats().frames, 1);
     }
 }

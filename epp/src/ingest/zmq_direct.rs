@@ -1,21 +1,23 @@
-//! Direct-ZMQ ingestion: one thread per engine rank subscribes to its PUB socket, repairs gaps
-//! through the engine's replay ROUTER when it has one (else drops the source's entries and
-//! resynchronises), and applies the normalised events to the index.
+//! Direct-ZMQ ingestion: one thread per engine rank runs `engine_zmq`'s receive loop (PUB
+//! subscription, gap repair through the engine's replay ROUTER when it has one) and applies the
+//! normalised events to the index; a gap replay cannot cover, or an engine restart, drops the
+//! source's entries first.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use engine_zmq::{Frame, FrameSink, StartFrom, StreamConfig};
 use kv_events::KvEvent;
-use kv_events::frame::{KvFrame, ReplayReply, replay_request};
+use kv_events::frame::FrameError;
 use kv_index::{EndpointId, Holder, KvIndex};
 
 use super::source::{Outcome, SourceState};
 
 /// How long a receive waits before checking for stop.
-const POLL_MS: i32 = 200;
+const POLL: Duration = Duration::from_millis(200);
 /// How long a replay may take before it is abandoned.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -158,76 +160,81 @@ fn run_source(
     stop: &AtomicBool,
     stats: &IngestStats,
 ) {
-    let holder = Holder::Endpoint(src.endpoint);
-    let sub = match subscribe(ctx, &src.publisher) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(publisher = %src.publisher, error = %e, "KV-event subscription failed");
-            return;
-        }
+    // With a replay socket, catch up on what the engine published before we joined.
+    let start = if src.replay.is_some() {
+        StartFrom::Zero
+    } else {
+        StartFrom::Live
     };
-    tracing::info!(publisher = %src.publisher, endpoint = src.endpoint.get(), "subscribed to KV events");
-    let mut state = SourceState::new(&src.model, src.block_size);
-    if src.replay.is_some() {
-        // Catch up on what the engine published before we joined.
-        state.resync_at(0);
+    let mut cfg = StreamConfig::new(src.publisher.clone(), src.replay.clone(), start);
+    cfg.poll = POLL;
+    cfg.replay_timeout = REPLAY_TIMEOUT;
+    let mut sink = IndexSink {
+        holder: Holder::Endpoint(src.endpoint),
+        endpoint: src.endpoint,
+        index,
+        stats,
+        state: SourceState::new(&src.model, src.block_size),
+        out: Vec::new(),
+    };
+    if let Err(e) = engine_zmq::run(ctx, &cfg, stop, &mut sink) {
+        tracing::error!(publisher = %src.publisher, error = %e, "KV-event subscription failed");
     }
-    let mut out = Vec::new();
-    while !stop.load(Ordering::Relaxed) {
-        let parts = match sub.recv_multipart(0) {
-            Ok(p) => p,
-            Err(zmq::Error::EAGAIN) => continue,
-            Err(e) => {
-                tracing::warn!(error = %e, "KV-event receive failed");
-                std::thread::sleep(Duration::from_millis(100));
-                continue;
-            }
-        };
-        let Ok(frame) = KvFrame::from_parts(&parts) else {
-            stats.malformed.fetch_add(1, Ordering::Relaxed);
-            continue;
-        };
-        out.clear();
-        let mut outcome = state.on_live(frame.seq, frame.payload, &mut out);
-        if let Outcome::Gap { from, got } = outcome {
-            stats.gaps.fetch_add(1, Ordering::Relaxed);
-            let repaired = src
-                .replay
-                .as_deref()
-                .is_some_and(|r| replay(ctx, r, got, &mut state, index, holder, stats));
-            if repaired {
-                stats.replays.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(from, got, "KV-event gap repaired by replay");
-            } else {
-                stats.resyncs.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    from,
-                    got,
-                    "KV-event gap not repairable: dropping the source's entries"
-                );
-                index.remove_source(holder);
-                state.reset();
-                state.resync_at(got);
-            }
-            out.clear();
-            outcome = state.on_live(frame.seq, frame.payload, &mut out);
-        }
-        match outcome {
-            Outcome::Applied => apply(index, holder, &out, stats),
-            Outcome::Restarted => {
-                stats.restarts.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(
-                    endpoint = src.endpoint.get(),
-                    "engine restarted: dropping its entries"
-                );
-                index.remove_source(holder);
-                apply(index, holder, &out, stats);
-            }
+}
+
+/// Applies one engine stream's in-sequence frames to the index.
+struct IndexSink<'a> {
+    holder: Holder,
+    endpoint: EndpointId,
+    index: &'a KvIndex,
+    stats: &'a IngestStats,
+    state: SourceState,
+    out: Vec<KvEvent>,
+}
+
+impl FrameSink for IndexSink<'_> {
+    fn frame(&mut self, frame: Frame<'_>) {
+        self.out.clear();
+        match self.state.apply(frame.seq, frame.payload, &mut self.out) {
+            Outcome::Applied => apply(self.index, self.holder, &self.out, self.stats),
             Outcome::Undecodable => {
-                stats.malformed.fetch_add(1, Ordering::Relaxed);
+                self.stats.malformed.fetch_add(1, Ordering::Relaxed);
             }
-            Outcome::Duplicate | Outcome::Gap { .. } => {}
         }
+    }
+
+    fn gap(&mut self, _from: u64, _got: u64) {
+        self.stats.gaps.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn repaired(&mut self, _from: u64, _got: u64) {
+        self.stats.replays.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn lost(&mut self, from: u64, got: u64) {
+        self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            from,
+            got,
+            endpoint = self.endpoint.get(),
+            "KV-event gap not repairable: dropping the source's entries"
+        );
+        self.index.remove_source(self.holder);
+        self.state.reset();
+    }
+
+    fn restarted(&mut self) {
+        self.stats.restarts.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            endpoint = self.endpoint.get(),
+            "engine restarted: dropping its entries"
+        );
+        self.index.remove_source(self.holder);
+        self.state.reset();
+    }
+
+    fn malformed(&mut self, _error: &FrameError) {
+        self.stats.malformed.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -240,67 +247,4 @@ fn apply(index: &KvIndex, holder: Holder, events: &[KvEvent], stats: &IngestStat
     stats
         .events
         .fetch_add(events.len() as u64, Ordering::Relaxed);
-}
-
-fn subscribe(ctx: &zmq::Context, endpoint: &str) -> zmq::Result<zmq::Socket> {
-    let sub = ctx.socket(zmq::SUB)?;
-    sub.set_subscribe(b"")?;
-    sub.set_rcvtimeo(POLL_MS)?;
-    sub.set_linger(0)?;
-    sub.connect(endpoint)?;
-    Ok(sub)
-}
-
-/// Replays from the state's expected seq up to (not including) `until`; true when covered.
-fn replay(
-    ctx: &zmq::Context,
-    endpoint: &str,
-    until: u64,
-    state: &mut SourceState,
-    index: &KvIndex,
-    holder: Holder,
-    stats: &IngestStats,
-) -> bool {
-    let Some(from) = state.expected() else {
-        return false;
-    };
-    let dealer = match ctx.socket(zmq::DEALER).and_then(|d| {
-        d.set_rcvtimeo(POLL_MS)?;
-        d.set_linger(0)?;
-        d.connect(endpoint)?;
-        d.send_multipart(replay_request(from), 0)?;
-        Ok(d)
-    }) {
-        Ok(d) => d,
-        Err(e) => {
-            tracing::warn!(%endpoint, error = %e, "KV-event replay request failed");
-            return false;
-        }
-    };
-    let deadline = Instant::now() + REPLAY_TIMEOUT;
-    let mut out = Vec::new();
-    while Instant::now() < deadline {
-        let parts = match dealer.recv_multipart(0) {
-            Ok(p) => p,
-            Err(_) => continue,
-        };
-        match ReplayReply::from_parts(&parts) {
-            Ok(ReplayReply::End) => break,
-            Ok(ReplayReply::Batch { frame, .. }) => {
-                if frame.seq >= until {
-                    continue;
-                }
-                out.clear();
-                match state.on_replay(frame.seq, frame.payload, &mut out) {
-                    Outcome::Applied => apply(index, holder, &out, stats),
-                    Outcome::Gap { .. } => return false,
-                    _ => {}
-                }
-            }
-            Err(_) => {
-                stats.malformed.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
-    state.expected() == Some(until)
 }
