@@ -40,6 +40,10 @@ use kvgate_epp::routing::picker::Picker;
 use scheduler::{Endpoint, InflightTracker, LoadBook, Scheduler, SchedulerConfig};
 use serde_json::json;
 
+/// The allocator the `kvgate-epp` binary uses.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const ENDPOINTS: u16 = 64;
 const BLOCK: usize = 16;
 const MODEL: &str = "Qwen/Qwen3-0.6B";
