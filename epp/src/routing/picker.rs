@@ -16,10 +16,11 @@ use super::stats::{Completed, ErrorCode, RequestMetrics, Series};
 use crate::discovery::Datastore;
 use crate::extproc::{Decision, Rejection, ResponseEvent, ResponseModel, Router, RoutingInput};
 
-/// Headers naming the request's InferenceObjective (GIE and llm-d spellings).
+/// Headers naming the request's InferenceObjective, in the order they are read: llm-d's current
+/// spelling first, then GIE's.
 pub const OBJECTIVE_HEADERS: [&str; 2] = [
-    "x-gateway-inference-objective",
     "x-llm-d-inference-objective",
+    "x-gateway-inference-objective",
 ];
 
 /// The priorities of the pool's InferenceObjectives (from Kubernetes discovery).
@@ -133,13 +134,14 @@ impl Picker {
 
     /// The request's priority: its objective's, 0 without one (or an unknown one).
     fn priority(&self, input: &RoutingInput<'_>) -> (i32, Option<String>) {
-        let Some(name) = input
-            .headers
-            .iter()
-            .find(|(k, _)| OBJECTIVE_HEADERS.contains(&k.as_str()))
-            .map(|(_, v)| v.trim())
-            .filter(|v| !v.is_empty())
-        else {
+        let Some(name) = OBJECTIVE_HEADERS.iter().find_map(|wanted| {
+            input
+                .headers
+                .iter()
+                .find(|(k, _)| k == wanted)
+                .map(|(_, v)| v.trim())
+                .filter(|v| !v.is_empty())
+        }) else {
             return (0, None);
         };
         let p = self
@@ -643,5 +645,26 @@ mod tests {
         let d = route(&[]).unwrap();
         p.on_response(d.ticket, ResponseEvent::Aborted);
         assert_eq!(p.stats().shed.load(Ordering::Relaxed), 1);
+        // Both spellings present: llm-d's header is read first.
+        let both = [
+            (
+                "x-gateway-inference-objective".to_owned(),
+                "batch".to_owned(),
+            ),
+            (
+                "x-llm-d-inference-objective".to_owned(),
+                " chat ".to_owned(),
+            ),
+        ];
+        let d = route(&both).unwrap();
+        p.on_response(d.ticket, ResponseEvent::Aborted);
+        let flipped = [
+            (
+                "x-gateway-inference-objective".to_owned(),
+                "chat".to_owned(),
+            ),
+            ("x-llm-d-inference-objective".to_owned(), "batch".to_owned()),
+        ];
+        assert_eq!(route(&flipped).unwrap_err().status(), 429);
     }
 }

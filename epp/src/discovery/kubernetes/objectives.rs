@@ -1,9 +1,8 @@
-//! InferenceObjectives of this pool: name → priority, from both API groups, and the lookup of a
-//! request's priority from its headers.
+//! InferenceObjectives of this pool: name → priority, from both API groups. The picker reads a
+//! request's objective name from its headers (`routing::picker::OBJECTIVE_HEADERS`) and asks
+//! this store through the `routing::picker::Objectives` trait.
 //!
-//! A request names its objective in `x-llm-d-inference-objective` (llm-d's spelling, read first)
-//! or `x-gateway-inference-objective` (GIE's). An objective of the same name in both groups takes
-//! the `llm-d.ai` one. Objectives of other pools are not kept. An unknown or absent name gives no
+//! An objective of the same name in both groups takes the `llm-d.ai` one. Objectives of other pools are not kept. An unknown or absent name gives no
 //! priority; callers treat that as 0, as upstream does.
 
 use std::sync::Mutex;
@@ -11,11 +10,6 @@ use std::sync::Mutex;
 use api::objective::ObjectiveView;
 
 use super::relist::{Relist, StoreEvent};
-
-/// GIE's objective header.
-pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
-/// llm-d's spelling of it.
-pub const LLM_D_OBJECTIVE_HEADER: &str = "x-llm-d-inference-objective";
 
 /// The InferenceObjective API group an object came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,22 +74,6 @@ impl Objectives {
         stores.0.get(name).or_else(|| stores.1.get(name)).copied()
     }
 
-    /// The priority a request's headers (lower-case names) ask for.
-    pub fn priority_for_headers<'a>(
-        &self,
-        headers: impl IntoIterator<Item = (&'a str, &'a str)> + Clone,
-    ) -> Option<i32> {
-        let named = |wanted: &str| {
-            headers
-                .clone()
-                .into_iter()
-                .find(|(k, _)| *k == wanted)
-                .map(|(_, v)| v.trim())
-        };
-        let name = named(LLM_D_OBJECTIVE_HEADER).or_else(|| named(OBJECTIVE_HEADER))?;
-        self.priority(name)
-    }
-
     /// How many objectives of this pool are known.
     pub fn len(&self) -> usize {
         let stores = self
@@ -143,7 +121,7 @@ mod tests {
     }
 
     #[test]
-    fn priorities_by_name_and_header() {
+    fn priorities_by_name() {
         let o = Objectives::new("pool");
         o.apply(
             ObjectiveGroup::XK8s,
@@ -170,19 +148,6 @@ mod tests {
         );
         assert_eq!(o.priority("critical"), Some(7), "llm-d.ai wins");
         assert_eq!(o.len(), 2);
-        let gie = [("content-type", "x"), (OBJECTIVE_HEADER, "batch")];
-        assert_eq!(o.priority_for_headers(gie), Some(-1));
-        let both = [
-            (OBJECTIVE_HEADER, "batch"),
-            (LLM_D_OBJECTIVE_HEADER, " critical "),
-        ];
-        assert_eq!(
-            o.priority_for_headers(both),
-            Some(7),
-            "llm-d's header is read first"
-        );
-        assert_eq!(o.priority_for_headers([(OBJECTIVE_HEADER, "nope")]), None);
-        assert_eq!(o.priority_for_headers([]), None);
         o.apply(ObjectiveGroup::LlmD, StoreEvent::Delete("critical".into()));
         assert_eq!(o.priority("critical"), Some(5));
         o.apply(
