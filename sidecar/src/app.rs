@@ -15,7 +15,6 @@ use crate::args::{Args, Engine};
 use crate::bridge::epoch::random_epoch;
 use crate::bridge::rank::{BatchLimits, RankBridge};
 use crate::bridge::sink::{BridgeSink, SharedRank};
-use crate::http::BaseUrl;
 use crate::load::LoadRelayConfig;
 use crate::metrics::Metrics;
 use crate::nats::{self, NatsError};
@@ -83,7 +82,7 @@ pub fn source(args: &Args, rank: u32) -> Source {
 /// Runs the sidecar until a shutdown signal.
 pub(crate) fn run(args: Args) -> Result<(), AppError> {
     args.validate().map_err(config)?;
-    let engine = BaseUrl::parse(&args.engine_url).map_err(config)?;
+    let engine = crate::proxy::engine_authority(&args.engine_url).map_err(config)?;
     let mut streams = Vec::new();
     for rank in 0..args.dp_size {
         let publisher =
@@ -107,7 +106,7 @@ pub(crate) fn run(args: Args) -> Result<(), AppError> {
     runtime.block_on(serve(args, engine, streams))
 }
 
-async fn serve(args: Args, engine: BaseUrl, streams: Vec<StreamConfig>) -> Result<(), AppError> {
+async fn serve(args: Args, engine: String, streams: Vec<StreamConfig>) -> Result<(), AppError> {
     let metrics = Arc::new(Metrics::new());
     let resync = Arc::new(AtomicU64::new(0));
     let epoch = random_epoch();
@@ -150,6 +149,7 @@ async fn serve(args: Args, engine: BaseUrl, streams: Vec<StreamConfig>) -> Resul
     ));
     let load = tokio::spawn(crate::load::run(
         client.clone(),
+        crate::proxy::upstream::client(Duration::from_millis(100)),
         LoadRelayConfig {
             engine,
             interval: Duration::from_millis(args.load_interval_ms),

@@ -5,8 +5,8 @@
 //! `Cleared` once in-flight requests are done.
 //!
 //! Layout: [`bridge`] (pure per-rank core and the receive-thread edge), [`nats`] (publisher and
-//! snapshot responder), [`load`] (load relay over [`http`]), [`metrics`] (the composable
-//! metrics router), `app` (wiring). The receive loop and gap repair are `engine_zmq`'s, shared
+//! snapshot responder), [`load`] (load relay, through the proxy's HTTP client), [`metrics`]
+//! (the composable metrics router), `app` (wiring). The receive loop and gap repair are `engine_zmq`'s, shared
 //! with the EPP's direct mode.
 //! Modules: [`proxy`] (pass-through and the P/D flow, SSRF allow-list), [`health`] (liveness,
 //! readiness, canary, drain), [`lifecycle`] (wiring).
@@ -15,7 +15,6 @@ mod app;
 mod args;
 pub mod bridge;
 pub mod health;
-pub mod http;
 pub mod lifecycle;
 pub mod load;
 pub mod metrics;

@@ -14,14 +14,18 @@ use kv_events::Source;
 use kv_events::envelope::ENVELOPE_VERSION;
 use kv_events::load::LoadSample;
 
-use crate::http::{BaseUrl, get};
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt as _;
+
 use crate::metrics::Metrics;
+use crate::proxy::upstream::Upstream;
 
 /// What to scrape and where to publish.
 #[derive(Debug, Clone)]
 pub struct LoadRelayConfig {
-    /// The engine's base URL.
-    pub engine: BaseUrl,
+    /// The engine's `host:port`.
+    pub engine: String,
     /// Time between scrapes.
     pub interval: Duration,
     /// The subject samples go to.
@@ -31,7 +35,7 @@ pub struct LoadRelayConfig {
 }
 
 /// Scrapes and publishes until the task is dropped.
-pub async fn run(client: Client, cfg: LoadRelayConfig, metrics: Arc<Metrics>) {
+pub async fn run(client: Client, http: Upstream, cfg: LoadRelayConfig, metrics: Arc<Metrics>) {
     let mut tick = tokio::time::interval(cfg.interval.max(Duration::from_millis(1)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let timeout = cfg
@@ -41,9 +45,9 @@ pub async fn run(client: Client, cfg: LoadRelayConfig, metrics: Arc<Metrics>) {
     let mut failing = false;
     loop {
         tick.tick().await;
-        let gauges = match get(&cfg.engine, "/metrics", timeout, MAX_EXPOSITION).await {
+        let gauges = match fetch_metrics(&http, &cfg.engine, timeout).await {
             Ok(body) => parse_gauges(&body).map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(e),
         };
         let gauges = match gauges {
             Ok(g) => {
@@ -85,6 +89,27 @@ pub async fn run(client: Client, cfg: LoadRelayConfig, metrics: Arc<Metrics>) {
             metrics.load_samples.fetch_add(1, Ordering::Relaxed);
         }
     }
+}
+
+/// `GET http://<engine>/metrics` with the proxy's pooled client, bounded in time and size.
+async fn fetch_metrics(http: &Upstream, engine: &str, timeout: Duration) -> Result<Bytes, String> {
+    let req = Request::get(format!("http://{engine}/metrics"))
+        .body(Body::empty())
+        .map_err(|e| e.to_string())?;
+    let fetch = async {
+        let resp = http.request(req).await.map_err(|e| e.to_string())?;
+        if resp.status() != StatusCode::OK {
+            return Err(format!("HTTP status {}", resp.status().as_u16()));
+        }
+        http_body_util::Limited::new(resp.into_body(), MAX_EXPOSITION)
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .map_err(|e| format!("reading the body: {e}"))
+    };
+    tokio::time::timeout(timeout, fetch)
+        .await
+        .map_err(|_| "timed out".to_owned())?
 }
 
 fn unix_ms() -> u64 {
