@@ -18,44 +18,32 @@ const LATENCY_BUCKETS: [f64; 10] = [
     0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05, 0.25,
 ];
 
-/// A fixed-bucket histogram of durations.
-#[derive(Debug, Default)]
-pub struct Histogram {
-    buckets: [AtomicU64; LATENCY_BUCKETS.len()],
-    count: AtomicU64,
-    sum_nanos: AtomicU64,
+/// A duration histogram over [`LATENCY_BUCKETS`] (the counting is `telemetry`'s).
+#[derive(Debug)]
+pub struct Histogram(telemetry::Histogram);
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self(telemetry::Histogram::new(&LATENCY_BUCKETS))
+    }
 }
 
 impl Histogram {
     /// Records one duration.
     pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        if let Some(i) = LATENCY_BUCKETS.iter().position(|b| secs <= *b)
-            && let Some(b) = self.buckets.get(i)
-        {
-            b.fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
-        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+        self.0.observe_duration(d);
     }
 
     /// Observations so far.
     pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
+        self.0.snapshot().count
     }
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0u64;
-        for (bound, b) in LATENCY_BUCKETS.iter().zip(&self.buckets) {
-            cumulative += b.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
-        }
-        let count = self.count();
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
+        let mut e = telemetry::Exposition::new();
+        e.family(name, telemetry::Kind::Histogram, help)
+            .histogram(name, &[], &self.0.snapshot());
+        out.push_str(&e.finish());
     }
 }
 

@@ -38,39 +38,26 @@ pub const LATENCY_BUCKETS: [f64; 12] = [
     0.000_025, 0.000_05, 0.000_1, 0.000_2, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.1, 1.0,
 ];
 
-/// A fixed-bucket histogram of durations.
-#[derive(Debug, Default)]
-pub struct Histogram {
-    buckets: [AtomicU64; LATENCY_BUCKETS.len()],
-    count: AtomicU64,
-    sum_ns: AtomicU64,
+/// A duration histogram over [`LATENCY_BUCKETS`] (the counting is `telemetry`'s).
+#[derive(Debug)]
+pub struct Histogram(telemetry::Histogram);
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self(telemetry::Histogram::new(&LATENCY_BUCKETS))
+    }
 }
 
 impl Histogram {
     /// Records one observation.
     pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        if let Some(i) = LATENCY_BUCKETS.iter().position(|&b| secs <= b)
-            && let Some(b) = self.buckets.get(i)
-        {
-            b.fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
-        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+        self.0.observe_duration(d);
     }
 
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let mut cumulative = 0;
-        for (b, bound) in self.buckets.iter().zip(LATENCY_BUCKETS) {
-            cumulative += b.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
-        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
-        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+    fn render(&self, out: &mut String, name: &str, labels: &[(&str, &str)]) {
+        let mut e = telemetry::Exposition::new();
+        e.histogram(name, labels, &self.0.snapshot());
+        out.push_str(&e.finish());
     }
 }
 
@@ -193,7 +180,7 @@ impl ProxyMetrics {
             "# HELP {n} Time the proxy adds before the response head (upstream waits excluded).\n# TYPE {n} histogram"
         );
         for (mode, h) in Mode::ALL.iter().zip(&self.added_latency) {
-            h.render(out, n, &format!("mode=\"{}\"", mode.label()));
+            h.render(out, n, &[("mode", mode.label())]);
         }
         let mut single = |name: &str, kind: &str, help: &str, value: String| {
             let _ = writeln!(
