@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 
 use crate::args::{Args, Engine};
 use crate::bridge::epoch::random_epoch;
+use crate::bridge::liveness::{self, Running};
 use crate::bridge::rank::{BatchLimits, RankBridge};
 use crate::bridge::sink::{BridgeSink, SharedRank};
 use crate::load::LoadRelayConfig;
@@ -159,6 +160,16 @@ async fn serve(args: Args, engine: String, streams: Vec<StreamConfig>) -> Result
         Arc::clone(&metrics),
     ));
 
+    let readiness = crate::health::Readiness::new(args.proxy.health.require_kv_events);
+    let running = Running::default();
+    let liveness = tokio::spawn(liveness::watch(
+        client.clone(),
+        running.clone(),
+        ranks.len(),
+        readiness.clone(),
+        Duration::from_millis(250),
+    ));
+
     let stop = Arc::new(AtomicBool::new(false));
     let ctx = zmq::Context::new();
     let mut threads = Vec::new();
@@ -171,9 +182,11 @@ async fn serve(args: Args, engine: String, streams: Vec<StreamConfig>) -> Result
         );
         let (ctx, stop) = (ctx.clone(), Arc::clone(&stop));
         let name = format!("kv-zmq-{}", threads.len());
+        let running = running.clone();
         let thread = std::thread::Builder::new()
             .name(name)
             .spawn(move || {
+                let _running = running.enter();
                 if let Err(e) = engine_zmq::run(&ctx, &cfg, &stop, &mut sink) {
                     tracing::error!(error = %e, "KV-event subscription failed");
                 }
@@ -190,9 +203,10 @@ async fn serve(args: Args, engine: String, streams: Vec<StreamConfig>) -> Result
         client: client.clone(),
         subject: subject::kv(&args.namespace, &args.pool, &args.pod),
     });
-    let served = crate::lifecycle::run(args.clone(), hook, Some(Arc::clone(&metrics)))
+    let served = crate::lifecycle::run(args.clone(), hook, Some(Arc::clone(&metrics)), readiness)
         .await
         .map_err(AppError::from);
+    liveness.abort();
 
     stop.store(true, Ordering::Relaxed);
     let _ = tokio::task::spawn_blocking(move || {

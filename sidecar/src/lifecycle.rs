@@ -69,10 +69,12 @@ impl Parts {
 }
 
 /// Runs the proxy and health parts until a shutdown signal, then drains.
+/// `readiness` is the caller's, so the bridge can set its KV-event condition.
 pub async fn run(
     args: Args,
     hook: Arc<dyn DrainHook>,
     bridge: Option<Arc<crate::metrics::Metrics>>,
+    readiness: Readiness,
 ) -> Result<(), RunError> {
     let p = &args.proxy;
     let engine = engine_authority(&args.engine_url).map_err(cli_support::StartError::Config)?;
@@ -89,7 +91,7 @@ pub async fn run(
     };
     let metrics = Arc::new(ProxyMetrics::new(live.clone()));
     let parts = Parts {
-        readiness: Readiness::new(p.health.require_kv_events),
+        readiness,
         metrics: metrics.clone(),
     };
     let state = Arc::new(ProxyState {

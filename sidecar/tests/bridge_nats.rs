@@ -294,7 +294,7 @@ fn request_a_keys() -> Vec<BlockKey> {
 /// NATS goes away: the sidecar keeps consuming the engine and keeping its resident set, and
 /// when NATS is back it starts a new epoch whose snapshot holds what happened meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_outage_keeps_the_resident_set_and_resyncs_on_return() {
+async fn nats_outage_keeps_the_resident_set_makes_the_pod_unready_and_resyncs_on_return() {
     let nats = Nats::start();
     let port = nats.port;
     let sim = start_sim(&[]);
@@ -305,11 +305,17 @@ async fn nats_outage_keeps_the_resident_set_and_resyncs_on_return() {
         &ep(sim.publisher),
         &ep(sim.replay),
         "pod-n",
-        &[],
+        &["--require-kv-events"],
     );
     wait_for("NATS connected", Duration::from_secs(10), || {
         sidecar.metric("kvgate_sidecar_nats_connected") == 1.0
     });
+    let kv_down = r#"kvgate_sidecar_not_ready{reason="kv_events_down"}"#;
+    wait_for(
+        "ready with a live KV-event stream",
+        Duration::from_secs(10),
+        || sidecar.metric("kvgate_sidecar_ready") == 1.0 && sidecar.metric(kv_down) == 0.0,
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     let a = prompt(20, 2);
     sim.complete(&a);
@@ -325,6 +331,11 @@ async fn nats_outage_keeps_the_resident_set_and_resyncs_on_return() {
     wait_for("NATS disconnected", Duration::from_secs(10), || {
         sidecar.metric("kvgate_sidecar_nats_connected") == 0.0
     });
+    wait_for(
+        "unready while NATS is away",
+        Duration::from_secs(10),
+        || sidecar.metric(kv_down) == 1.0 && sidecar.metric("kvgate_sidecar_ready") == 0.0,
+    );
     let frames = sidecar.metric("kvgate_sidecar_frames_in_total");
     let b = prompt(21, 3);
     sim.complete(&b);
@@ -337,6 +348,9 @@ async fn nats_outage_keeps_the_resident_set_and_resyncs_on_return() {
     let nats = Nats::start_on(port);
     wait_for("NATS reconnected", Duration::from_secs(20), || {
         sidecar.metric("kvgate_sidecar_nats_connected") == 1.0
+    });
+    wait_for("ready again", Duration::from_secs(10), || {
+        sidecar.metric("kvgate_sidecar_ready") == 1.0
     });
     let rx = Receiver::connect(&nats.url(), "kvgate.kv.ns.pool.pod-n").await;
     wait_for("a resync", Duration::from_secs(10), || {
