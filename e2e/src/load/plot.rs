@@ -99,6 +99,7 @@ fn panel<DB: DrawingBackend>(
         .configure_mesh()
         .x_desc("load")
         .y_desc(y_desc)
+        .x_label_formatter(&|x| format!("{x}"))
         .label_style((FAMILY, 15))
         .draw()
         .map_err(|e| e.to_string())?;
