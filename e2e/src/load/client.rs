@@ -1,0 +1,280 @@
+//! One streaming completion against an OpenAI base URL, measured.
+//!
+//! `POST {base}/v1/completions` with a token-id prompt, `stream`, `stream_options.include_usage`,
+//! `ignore_eos` and `return_token_ids`, over a pooled HTTP/1.1 keep-alive client (hyper) with
+//! `TCP_NODELAY`. The clock starts before the request is written; TTFT is the first chunk that
+//! carries output; E2E ends at the last byte of the body.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper::Request;
+use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Serialize;
+use workload::Status;
+
+use super::sse::{SseDecoder, Step, StreamState};
+
+/// The response header naming the engine that served a request.
+pub const POD_HEADER: &str = "x-kvgate-pod";
+
+/// Longest error body kept, in bytes.
+const MAX_ERROR_BODY: usize = 4 << 10;
+
+/// How a completion went, before it becomes a record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reply {
+    /// How it ended.
+    pub status: Status,
+    /// HTTP status, when a response head arrived.
+    pub http_status: Option<u16>,
+    /// Time to first token.
+    pub ttft: Option<Duration>,
+    /// Send to last byte (or to the failure).
+    pub e2e: Duration,
+    /// Prompt tokens by the server's usage, when reported.
+    pub prompt_tokens: Option<u32>,
+    /// Output tokens received.
+    pub output_tokens: u32,
+    /// Cached prompt tokens, when reported.
+    pub cached_tokens: Option<u32>,
+    /// The output ids, when the server returned all of them.
+    pub output_ids: Option<Vec<u32>>,
+    /// `x-kvgate-pod`, when present.
+    pub endpoint: Option<String>,
+    /// A short reason for a failure.
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Body<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<&'a str>,
+    prompt: &'a [u32],
+    max_tokens: u32,
+    stream: bool,
+    stream_options: StreamOptions,
+    ignore_eos: bool,
+    return_token_ids: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+/// A pooled client for one base URL.
+#[derive(Debug, Clone)]
+pub struct Client {
+    http: HyperClient<HttpConnector, Full<Bytes>>,
+    completions: hyper::Uri,
+    model: Option<String>,
+    timeout: Duration,
+}
+
+/// A base URL that is not `http://host[:port][/path]`.
+#[derive(Debug, thiserror::Error)]
+#[error("--url {url}: {reason}")]
+pub struct BadUrl {
+    url: String,
+    reason: String,
+}
+
+impl Client {
+    /// A client for `base` (`http://host:port`, optionally with a path prefix), sending `model`
+    /// when given and giving up on a request after `timeout`.
+    pub fn new(base: &str, model: Option<String>, timeout: Duration) -> Result<Self, BadUrl> {
+        let bad = |reason: &str| BadUrl {
+            url: base.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let trimmed = base.trim_end_matches('/');
+        let trimmed = trimmed.strip_suffix("/v1").unwrap_or(trimmed);
+        let completions: hyper::Uri = format!("{trimmed}/v1/completions")
+            .parse()
+            .map_err(|e: hyper::http::uri::InvalidUri| bad(&e.to_string()))?;
+        if completions.scheme_str() != Some("http") || completions.authority().is_none() {
+            return Err(bad("expected http://host:port (TLS is not supported)"));
+        }
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(10)));
+        let http = HyperClient::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(usize::MAX)
+            .build(connector);
+        Ok(Self {
+            http,
+            completions,
+            model,
+            timeout,
+        })
+    }
+
+    /// Sends one completion and measures it. Never fails: every outcome is a [`Reply`].
+    pub async fn complete(&self, prompt: &[u32], max_tokens: u32) -> Reply {
+        let started = Instant::now();
+        let mut progress = Progress::default();
+        match tokio::time::timeout(
+            self.timeout,
+            self.exchange(prompt, max_tokens, started, &mut progress),
+        )
+        .await
+        {
+            Ok(reply) => reply,
+            Err(_) => progress.finish(
+                Status::Timeout,
+                started.elapsed(),
+                Some(format!("no complete answer within {:?}", self.timeout)),
+            ),
+        }
+    }
+
+    async fn exchange(
+        &self,
+        prompt: &[u32],
+        max_tokens: u32,
+        started: Instant,
+        progress: &mut Progress,
+    ) -> Reply {
+        let body = Body {
+            model: self.model.as_deref(),
+            prompt,
+            max_tokens,
+            stream: true,
+            stream_options: StreamOptions {
+                include_usage: true,
+            },
+            ignore_eos: true,
+            return_token_ids: true,
+        };
+        let json = match serde_json::to_vec(&body) {
+            Ok(json) => json,
+            Err(e) => return progress.fail(Status::Transport, started, format!("encoding: {e}")),
+        };
+        let request = Request::post(self.completions.clone())
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .body(Full::new(Bytes::from(json)));
+        let request = match request {
+            Ok(r) => r,
+            Err(e) => return progress.fail(Status::Transport, started, format!("request: {e}")),
+        };
+        let response = match self.http.request(request).await {
+            Ok(r) => r,
+            Err(e) => return progress.fail(Status::Transport, started, error_chain(&e)),
+        };
+        progress.http_status = Some(response.status().as_u16());
+        progress.endpoint = response
+            .headers()
+            .get(POD_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let ok = response.status().is_success();
+        let mut body = response.into_body();
+        let mut decoder = SseDecoder::default();
+        let mut error_body = Vec::new();
+        loop {
+            let frame = match body.frame().await {
+                None => break,
+                Some(Ok(frame)) => frame,
+                Some(Err(e)) => {
+                    let status = if ok {
+                        Status::Transport
+                    } else {
+                        Status::HttpError
+                    };
+                    return progress.fail(status, started, format!("body: {}", error_chain(&e)));
+                }
+            };
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            if !ok {
+                let room = MAX_ERROR_BODY.saturating_sub(error_body.len());
+                error_body.extend_from_slice(data.get(..room.min(data.len())).unwrap_or_default());
+                continue;
+            }
+            let events = match decoder.feed(&data) {
+                Ok(events) => events,
+                Err(e) => return progress.fail(Status::Transport, started, e.to_string()),
+            };
+            for event in events {
+                if progress.stream.apply(&event) == Step::FirstToken {
+                    progress.ttft = Some(started.elapsed());
+                }
+            }
+        }
+        let e2e = started.elapsed();
+        if !ok {
+            let text = String::from_utf8_lossy(&error_body);
+            let status = progress.http_status.unwrap_or_default();
+            return progress.finish(
+                Status::HttpError,
+                e2e,
+                Some(format!("HTTP {status}: {}", text.trim())),
+            );
+        }
+        if let Some(message) = progress.stream.error.clone() {
+            return progress.finish(
+                Status::Transport,
+                e2e,
+                Some(format!("error event: {message}")),
+            );
+        }
+        if !progress.stream.done {
+            return progress.finish(
+                Status::Transport,
+                e2e,
+                Some("the stream ended before [DONE]".into()),
+            );
+        }
+        progress.finish(Status::Ok, e2e, None)
+    }
+}
+
+/// What is known of a request while it runs.
+#[derive(Debug, Default)]
+struct Progress {
+    http_status: Option<u16>,
+    endpoint: Option<String>,
+    ttft: Option<Duration>,
+    stream: StreamState,
+}
+
+impl Progress {
+    fn fail(&mut self, status: Status, started: Instant, error: String) -> Reply {
+        std::mem::take(self).finish(status, started.elapsed(), Some(error))
+    }
+
+    fn finish(&mut self, status: Status, e2e: Duration, error: Option<String>) -> Reply {
+        let this = std::mem::take(self);
+        Reply {
+            status,
+            http_status: this.http_status,
+            ttft: this.ttft,
+            e2e,
+            prompt_tokens: this.stream.prompt_tokens,
+            output_tokens: this.stream.output_tokens(),
+            cached_tokens: this.stream.cached_tokens,
+            output_ids: this.stream.output_ids().map(<[u32]>::to_vec),
+            endpoint: this.endpoint,
+            error,
+        }
+    }
+}
+
+/// An error and its causes on one line (hyper's top-level errors say little alone).
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
+}
