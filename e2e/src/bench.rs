@@ -4,11 +4,7 @@
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum Command {
     /// Start Envoy, the EPP, simulated engines with sidecars and NATS on this machine.
-    Up {
-        /// Simulated engines.
-        #[arg(long, default_value_t = 4)]
-        engines: u32,
-    },
+    Up(crate::stack::UpArgs),
 }
 
 /// kvgate local stack and benchmarks.
@@ -20,17 +16,29 @@ pub struct Args {
     pub command: Command,
 }
 
-/// Validates the configuration, then runs the command.
-pub fn run(args: Args) -> Result<(), cli_support::StartError> {
-    match args.command {
-        Command::Up { engines: 0 } => Err(cli_support::StartError::Config(
-            "--engines must be at least 1".into(),
-        )),
-        Command::Up { .. } => Err(cli_support::NotInThisBuild {
-            component: "kvgate-bench",
-            capability: "the local stack",
-            issue: 7,
+/// Why `kvgate-bench` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// The configuration was refused.
+    #[error(transparent)]
+    Start(#[from] cli_support::StartError),
+    /// The local stack failed.
+    #[error(transparent)]
+    Stack(#[from] crate::stack::StackError),
+}
+
+impl cli_support::ExitStatus for BenchError {
+    fn exit_code(&self) -> u8 {
+        match self {
+            BenchError::Start(e) => e.exit_code(),
+            BenchError::Stack(e) => e.exit_code(),
         }
-        .into()),
+    }
+}
+
+/// Runs the command.
+pub fn run(args: Args) -> Result<(), BenchError> {
+    match args.command {
+        Command::Up(up) => Ok(crate::stack::up::run(&up)?),
     }
 }
