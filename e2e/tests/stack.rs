@@ -34,6 +34,13 @@ fn start(config: StackConfig) -> Stack {
     }
 }
 
+/// Stops the stack and removes its run directory (kept when a test fails, for its logs).
+fn finish(stack: Stack) {
+    let dir = stack.run_dir().to_path_buf();
+    stack.stop();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 fn send(stack: &Stack, body: &serde_json::Value, headers: &[(&str, &str)]) -> Reply {
     post(
         stack.ports().envoy_listen,
@@ -46,6 +53,12 @@ fn send(stack: &Stack, body: &serde_json::Value, headers: &[(&str, &str)]) -> Re
 fn epp_metric(stack: &Stack, name: &str) -> f64 {
     let page = stack.epp_metrics().unwrap();
     probe::metric_sum(&page, name).unwrap_or_else(|| panic!("EPP has no {name}"))
+}
+
+/// Envelopes plus snapshots the EPP applied from NATS.
+fn synced(stack: &Stack) -> f64 {
+    epp_metric(stack, "kvgate_epp_nats_envelopes_applied_total")
+        + epp_metric(stack, "kvgate_epp_nats_snapshots_applied_total")
 }
 
 fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
@@ -126,19 +139,22 @@ fn requests_follow_the_epp_and_a_shared_prefix_sticks_with_cached_tokens() {
     assert_eq!(bad.status, 400, "{bad:?}");
     assert!(bad.header("x-kvgate-drop-reason").is_some(), "{bad:?}");
     // The events came through the sidecars over NATS, and every source resolved to an endpoint.
-    assert!(epp_metric(&stack, "kvgate_epp_nats_envelopes_applied_total") > 0.0);
+    assert!(synced(&stack) > 0.0);
     assert_eq!(
         epp_metric(&stack, "kvgate_epp_nats_unknown_source_messages_total"),
         0.0
     );
     assert!(epp_metric(&stack, "kvgate_epp_nats_sources") >= 1.0);
-    stack.stop();
+    finish(stack);
 }
 
 #[test]
 fn killing_an_engine_fails_only_its_in_flight_requests() {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let mut stack = start(StackConfig::default().with_policy(Policy::RoundRobin));
+    let mut stack = start(StackConfig {
+        time_scale: 1.0,
+        ..StackConfig::default().with_policy(Policy::RoundRobin)
+    });
     let port = stack.ports().envoy_listen;
     // Six long streams, two per engine.
     let streams: Vec<_> = (0..6)
@@ -171,7 +187,7 @@ fn killing_an_engine_fails_only_its_in_flight_requests() {
         assert!(r.ok(), "request {i} after the kill: {r:?}");
         assert_ne!(r.pod(), "sim-0");
     }
-    stack.stop();
+    finish(stack);
 }
 
 #[test]
@@ -180,8 +196,8 @@ fn a_nats_outage_degrades_to_load_routing_and_the_index_recovers() {
     let mut stack = start(StackConfig::default());
     let warm = send(&stack, &chat(&long_system("warm"), "q", 4, false), &[]);
     assert!(warm.ok(), "{warm:?}");
-    wait_for("NATS envelopes", Duration::from_secs(10), || {
-        epp_metric(&stack, "kvgate_epp_nats_envelopes_applied_total") > 0.0
+    wait_for("a NATS source in sync", Duration::from_secs(10), || {
+        synced(&stack) > 0.0 && epp_metric(&stack, "kvgate_epp_nats_stale_sources") == 0.0
     });
     stack.kill(Component::Nats).unwrap();
     wait_for(
@@ -197,7 +213,7 @@ fn a_nats_outage_degrades_to_load_routing_and_the_index_recovers() {
         pods.insert(r.pod().to_owned());
     }
     assert!(pods.len() >= 2, "all outage requests went to {pods:?}");
-    let applied = epp_metric(&stack, "kvgate_epp_nats_envelopes_applied_total");
+    let applied = synced(&stack);
     stack.restart(Component::Nats).unwrap();
     wait_for("the EPP to reconnect", Duration::from_secs(20), || {
         epp_metric(&stack, "kvgate_epp_nats_connected") == 1.0
@@ -208,7 +224,7 @@ fn a_nats_outage_degrades_to_load_routing_and_the_index_recovers() {
     let first = loop {
         let r = send(&stack, &chat(&system, "q0", 4, false), &[]);
         assert!(r.ok(), "{r:?}");
-        if epp_metric(&stack, "kvgate_epp_nats_envelopes_applied_total") > applied {
+        if synced(&stack) > applied {
             break r;
         }
         assert!(
@@ -232,13 +248,19 @@ fn a_nats_outage_degrades_to_load_routing_and_the_index_recovers() {
         );
         assert!(r.cached_tokens() > 0);
     }
-    stack.stop();
+    finish(stack);
 }
 
 #[test]
 fn with_fail_open_requests_flow_while_the_epp_is_down() {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let mut stack = start(StackConfig::default());
+    let mut stack = start(StackConfig {
+        fail_open: true,
+        ..StackConfig::default()
+    });
+    // Routed through the EPP while it is up.
+    let r = send(&stack, &chat("before", "hi", 4, false), &[]);
+    assert!(r.ok() && !r.picked().is_empty(), "{r:?}");
     stack.stop_component(Component::Epp).unwrap();
     let mut pods = std::collections::BTreeSet::new();
     for i in 0..9 {
@@ -251,7 +273,7 @@ fn with_fail_open_requests_flow_while_the_epp_is_down() {
     stack.restart(Component::Epp).unwrap();
     let r = send(&stack, &chat("back", "hi", 4, false), &[]);
     assert!(r.ok() && !r.picked().is_empty(), "{r:?}");
-    stack.stop();
+    finish(stack);
 }
 
 #[test]
@@ -259,13 +281,13 @@ fn without_fail_open_requests_fail_while_the_epp_is_down() {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let mut stack = start(StackConfig {
         engines: 1,
-        fail_open: false,
         ..StackConfig::default()
     });
+    assert!(!stack.config().fail_open, "GIE's default is fail-closed");
     stack.stop_component(Component::Epp).unwrap();
     let r = send(&stack, &chat("closed", "hi", 4, false), &[]);
     assert!(r.status >= 500, "fail-closed Envoy answered {r:?}");
-    stack.stop();
+    finish(stack);
 }
 
 #[test]
@@ -299,7 +321,7 @@ fn overload_answers_429() {
         statuses.iter().all(|s| *s == 200 || *s == 429),
         "{statuses:?}"
     );
-    stack.stop();
+    finish(stack);
 }
 
 /// GIE's gateway conformance assertions, against the local Envoy: the gateway follows the EPP's
@@ -367,5 +389,5 @@ fn conformance_the_gateway_follows_the_list_and_subset_hints() {
         fell_back > 0,
         "round robin never put the dead endpoint first"
     );
-    stack.stop();
+    finish(stack);
 }

@@ -53,6 +53,8 @@ pub struct StackConfig {
     /// How Envoy follows the EPP.
     pub envoy_lb: EnvoyLb,
     /// Envoy's ext_proc `failure_mode_allow`: keep serving (round robin) when the EPP is away.
+    /// GIE's default is fail-closed. Fail-open makes Envoy buffer request bodies (see
+    /// [`render::envoy_yaml`](super::render::envoy_yaml)).
     pub fail_open: bool,
     /// Pool name (NATS subjects, EPP metrics).
     pub pool: String,
@@ -87,7 +89,7 @@ impl Default for StackConfig {
             scheduler: SchedulerConfig::default(),
             kv_events: KvEventsPath::Nats,
             envoy_lb: EnvoyLb::OverrideHost,
-            fail_open: true,
+            fail_open: false,
             pool: "local".into(),
             namespace: "default".into(),
             log_level: "info".into(),

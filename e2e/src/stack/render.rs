@@ -59,7 +59,9 @@ pub const PICKED_HEADER: &str = "x-kvgate-picked";
 pub const SUBSET_HEADER: &str = "x-gateway-destination-endpoint-subset";
 
 /// Envoy's bootstrap: one listener → header-to-metadata (subset hint) → ext_proc (the EPP,
-/// FULL_DUPLEX_STREAMED both ways) → router to the pool cluster, which follows the EPP's pick
+/// FULL_DUPLEX_STREAMED both ways; with fail-open the request body is BUFFERED, because Envoy
+/// 1.40 can only fail open before it has streamed a body chunk to the processor, and a dead EPP
+/// is noticed after that) → router to the pool cluster, which follows the EPP's pick
 /// (`override_host` with the fallback list, or `ORIGINAL_DST` on the destination header).
 /// Connect failures and 502/503 from a sidecar are retried on the next host of the EPP's list.
 pub fn envoy_yaml(config: &StackConfig, ports: &Ports) -> String {
@@ -162,7 +164,7 @@ static_resources:
               processing_mode:
                 request_header_mode: SEND
                 response_header_mode: SEND
-                request_body_mode: FULL_DUPLEX_STREAMED
+                request_body_mode: {request_body}
                 response_body_mode: FULL_DUPLEX_STREAMED
                 request_trailer_mode: SEND
                 response_trailer_mode: SEND
@@ -191,6 +193,11 @@ static_resources:
         listen = ports.envoy_listen,
         grpc = ports.epp_grpc,
         fail_open = config.fail_open,
+        request_body = if config.fail_open {
+            "BUFFERED"
+        } else {
+            "FULL_DUPLEX_STREAMED"
+        },
         upstream = UPSTREAM_HEADER,
         picked = PICKED_HEADER,
         subset = SUBSET_HEADER,
@@ -260,7 +267,8 @@ mod tests {
         ] {
             assert!(y.contains(&format!("port_value: {port} ")), "{port}");
         }
-        assert!(y.contains("failure_mode_allow: true"));
+        assert!(y.contains("failure_mode_allow: false"));
+        assert!(y.contains("request_body_mode: FULL_DUPLEX_STREAMED"));
         assert!(y.contains("override_host"));
         let closed = StackConfig {
             fail_open: false,

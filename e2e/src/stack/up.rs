@@ -41,8 +41,9 @@ pub struct UpArgs {
     /// How Envoy follows the EPP's pick (`original-dst` sets the EPP's fallbacks to 0).
     #[arg(long, value_enum, default_value_t = EnvoyLb::OverrideHost)]
     pub envoy_lb: EnvoyLb,
-    /// Envoy keeps serving (round robin) while the EPP is unreachable.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    /// Envoy keeps serving (round robin) while the EPP is unreachable (request bodies are then
+    /// buffered: Envoy 1.40 cannot fail open once it has streamed a body chunk to the EPP).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub fail_open: bool,
     /// An extra argument for every engine (repeat it), e.g. `--engine-arg=--max-waiting=8`.
     #[arg(long = "engine-arg", allow_hyphen_values = true)]
@@ -196,7 +197,7 @@ mod tests {
             "--envoy-lb",
             "original-dst",
             "--fail-open",
-            "false",
+            "true",
             "--engine-arg=--max-waiting=4",
         ])
         .unwrap();
@@ -204,7 +205,7 @@ mod tests {
         assert_eq!(c.engines, 2);
         assert_eq!(c.scheduler.policy, Policy::RoundRobin);
         assert_eq!(c.scheduler.fallbacks, 0);
-        assert!(!c.fail_open);
+        assert!(c.fail_open);
         assert_eq!(c.engine_args, ["--max-waiting=4"]);
         c.validate().unwrap();
     }

@@ -6,12 +6,39 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 /// What came back; `complete` is false when the connection failed or the body was cut short.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Reply {
     pub status: u16,
     pub headers: Vec<(String, String)>,
     pub body: String,
     pub complete: bool,
+}
+
+/// Shows the head and at most 300 bytes of each end of the body.
+impl std::fmt::Debug for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let b = &self.body;
+        let body = if b.len() > 600 {
+            let head: String = b.chars().take(300).collect();
+            let tail: String = b
+                .chars()
+                .rev()
+                .take(300)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            format!("{head} … ({} bytes) … {tail}", b.len())
+        } else {
+            b.clone()
+        };
+        f.debug_struct("Reply")
+            .field("status", &self.status)
+            .field("complete", &self.complete)
+            .field("headers", &self.headers)
+            .field("body", &body)
+            .finish()
+    }
 }
 
 impl Reply {
