@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job. Until `kvgate-bench up` lands (issue #7) it runs, on embedded defaults:
-#   1. the routing demo: real Envoy → kvgate-epp → three kvgate-sim engines, a shared-prefix
-#      conversation that sticks to the engine holding its prefix (e2e/smoke/run.sh);
+# The main job. It runs, on embedded defaults:
+#   1. the local stack's demo: `kvgate-bench up` (NATS, three kvgate-sim engines behind
+#      kvgate-sidecars, kvgate-epp, a real Envoy), a shared-prefix conversation through Envoy that
+#      sticks to the engine holding its prefix with cached tokens, then Ctrl-C (e2e/stack_demo.sh);
 #   2. the simulator's throughput benchmark (e2e/bench/sim_throughput.sh, needs wrk);
 #   3. Envoy direct vs Envoy+EPP latency and EPP CPU per request (e2e/bench/envoy_overhead.sh);
 #   4. the EPP decision cost at 8k tokens (cargo bench -p kvgate-epp --bench decision -- 8k);
@@ -10,8 +11,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 scripts/bootstrap.sh
-echo "== routing demo"
-e2e/smoke/run.sh
+echo "== local stack demo (kvgate-bench up)"
+e2e/stack_demo.sh --release
 if ! command -v wrk >/dev/null 2>&1; then
   echo "main: installing wrk for the simulator benchmark"
   if [ "$(id -u)" -eq 0 ]; then apt-get install -y -qq wrk >/dev/null; else sudo apt-get install -y -qq wrk >/dev/null; fi

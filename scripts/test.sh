@@ -5,8 +5,9 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 scripts/bootstrap.sh
-# The routing path with real components: Envoy → kvgate-epp → three kvgate-sim engines.
-e2e/smoke/run.sh
+# The end-to-end tier (e2e/tests/stack.rs: the local stack with a real Envoy, NATS, sidecars and
+# the EPP) is an ordinary integration test of kvgate-e2e; it runs below with the others, once.
+# It starts kvgate-epp and kvgate-sidecar from the target directory, which --workspace builds.
 if command -v cargo-nextest >/dev/null 2>&1; then
   # nextest does not run doctests; the crates document with ```text blocks only.
   cargo nextest run --workspace --all-targets --no-fail-fast

@@ -1,38 +1,14 @@
-//! `kvgate-bench`: configuration of the local stack and benchmarks.
+//! `kvgate-bench`: the local stack, the load generator, reports.
 
 /// What to run.
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum Command {
     /// Start Envoy, the EPP, simulated engines with sidecars and NATS on this machine.
-    Up {
-        /// Simulated engines.
-        #[arg(long, default_value_t = 4)]
-        engines: u32,
-    },
+    Up(crate::stack::UpArgs),
     /// Drive an OpenAI endpoint with a workload; records as JSON lines, a summary table.
     Load(Box<crate::load::LoadArgs>),
     /// Summary table and PNG plots (TTFT, throughput vs load) from record files.
     Report(crate::load::ReportArgs),
-}
-
-/// Why `kvgate-bench` failed.
-#[derive(Debug, thiserror::Error)]
-pub enum BenchError {
-    /// Bad configuration, or a capability not in this build.
-    #[error(transparent)]
-    Start(#[from] cli_support::StartError),
-    /// The load generator or the report.
-    #[error(transparent)]
-    Load(#[from] crate::load::LoadError),
-}
-
-impl cli_support::ExitStatus for BenchError {
-    fn exit_code(&self) -> u8 {
-        match self {
-            Self::Start(e) => e.exit_code(),
-            Self::Load(e) => e.exit_code(),
-        }
-    }
 }
 
 /// kvgate local stack and benchmarks.
@@ -44,19 +20,35 @@ pub struct Args {
     pub command: Command,
 }
 
-/// Validates the configuration, then runs the command.
+/// Why `kvgate-bench` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// The configuration was refused.
+    #[error(transparent)]
+    Start(#[from] cli_support::StartError),
+    /// The local stack failed.
+    #[error(transparent)]
+    Stack(#[from] crate::stack::StackError),
+    /// The load generator or the report.
+    #[error(transparent)]
+    Load(#[from] crate::load::LoadError),
+}
+
+impl cli_support::ExitStatus for BenchError {
+    fn exit_code(&self) -> u8 {
+        match self {
+            Self::Start(e) => e.exit_code(),
+            Self::Stack(e) => e.exit_code(),
+            Self::Load(e) => e.exit_code(),
+        }
+    }
+}
+
+/// Runs the command.
 pub fn run(args: Args) -> Result<(), BenchError> {
     match args.command {
+        Command::Up(up) => Ok(crate::stack::up::run(&up)?),
         Command::Load(args) => Ok(crate::load::run(*args)?),
         Command::Report(args) => Ok(crate::load::report::run(args)?),
-        Command::Up { engines: 0 } => {
-            Err(cli_support::StartError::Config("--engines must be at least 1".into()).into())
-        }
-        Command::Up { .. } => Err(cli_support::StartError::from(cli_support::NotInThisBuild {
-            component: "kvgate-bench",
-            capability: "the local stack",
-            issue: 7,
-        })
-        .into()),
     }
 }

@@ -1,7 +1,8 @@
 //! kvgate's development and test tools: `kvgate-sim`, a vLLM-compatible engine simulator
 //! (issue #4), and `kvgate-bench`, the local stack launcher, load generator and benchmark
-//! reports (issue #7). This build parses and validates their configuration only.
+//! reports (issue #7): `kvgate-bench up` runs the local stack ([`stack`]).
 
 pub mod bench;
 pub mod load;
 pub mod sim;
+pub mod stack;

@@ -2,6 +2,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod gateway;
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;

@@ -1,0 +1,258 @@
+//! The stack's typed configuration ([`StackConfig`]) and the names of its components
+//! ([`Component`]). Pure: no I/O.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use scheduler::{Policy, SchedulerConfig};
+
+/// How Envoy follows the EPP's pick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum EnvoyLb {
+    /// `override_host`: follows the EPP's whole fallback list (`x-gateway-destination-endpoint`
+    /// in `envoy.lb` metadata) and round-robins when there is none (fail-open).
+    #[default]
+    OverrideHost,
+    /// An `ORIGINAL_DST` cluster keyed by the `x-gateway-destination-endpoint` header: one
+    /// endpoint only, so the EPP is configured with `fallbacks: 0`.
+    OriginalDst,
+}
+
+/// Where the EPP takes KV events from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum KvEventsPath {
+    /// Through the sidecars over NATS (`--nats-url`).
+    #[default]
+    Nats,
+    /// Straight from each engine's ZMQ PUB socket (the endpoints file's `events`/`replay`).
+    Direct,
+}
+
+/// Everything `Stack::start` needs. Every field has a working default.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StackConfig {
+    /// Simulated engines (each behind its own sidecar).
+    pub engines: usize,
+    /// `kvgate-sim --preset`.
+    pub preset: String,
+    /// `kvgate-sim --time-scale` (above 1 runs faster than the modelled hardware).
+    pub time_scale: f64,
+    /// Served model name (engines, sidecars, EPP).
+    pub model: String,
+    /// KV block size in tokens (engines, sidecars, EPP).
+    pub block_size: u32,
+    /// Extra arguments for every engine (for example `--max-waiting 2`).
+    pub engine_args: Vec<String>,
+    /// The EPP's scheduler configuration (its `policy` is what [`Stack::set_policy`] changes).
+    ///
+    /// [`Stack::set_policy`]: super::Stack::set_policy
+    pub scheduler: SchedulerConfig,
+    /// Where the EPP's KV events come from.
+    pub kv_events: KvEventsPath,
+    /// How Envoy follows the EPP.
+    pub envoy_lb: EnvoyLb,
+    /// Envoy's ext_proc `failure_mode_allow`: keep serving (round robin) when the EPP is away.
+    /// GIE's default is fail-closed. Fail-open makes Envoy buffer request bodies (see
+    /// [`render::envoy_yaml`](super::render::envoy_yaml)).
+    pub fail_open: bool,
+    /// Pool name (NATS subjects, EPP metrics).
+    pub pool: String,
+    /// Namespace token of the NATS subjects.
+    pub namespace: String,
+    /// `RUST_LOG` for the Rust components.
+    pub log_level: String,
+    /// Where configs and logs go; a fresh `/tmp/kvgate-stack.*` when `None`.
+    pub run_dir: Option<PathBuf>,
+    /// Directory of `kvgate-sim`, `kvgate-sidecar`, `kvgate-epp`; next to the running executable
+    /// when `None`.
+    pub bin_dir: Option<PathBuf>,
+    /// The Envoy binary; the workspace venv's when `None`.
+    pub envoy: Option<PathBuf>,
+    /// The NATS server binary.
+    pub nats_server: PathBuf,
+    /// How long each component may take to become ready.
+    pub ready_timeout: Duration,
+    /// How long a stopped component may take to exit after SIGTERM before it is killed.
+    pub stop_grace: Duration,
+}
+
+impl Default for StackConfig {
+    fn default() -> Self {
+        Self {
+            engines: 3,
+            preset: "small".into(),
+            time_scale: 10.0,
+            model: "m".into(),
+            block_size: 16,
+            engine_args: Vec::new(),
+            scheduler: SchedulerConfig::default(),
+            kv_events: KvEventsPath::Nats,
+            envoy_lb: EnvoyLb::OverrideHost,
+            fail_open: false,
+            pool: "local".into(),
+            namespace: "default".into(),
+            log_level: "info".into(),
+            run_dir: None,
+            bin_dir: None,
+            envoy: None,
+            nats_server: PathBuf::from("nats-server"),
+            ready_timeout: Duration::from_secs(30),
+            stop_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Most engines one stack starts (each costs four ports and two processes).
+pub const MAX_ENGINES: usize = 64;
+
+impl StackConfig {
+    /// Checks the values that would otherwise fail late, inside a component.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.engines == 0 || self.engines > MAX_ENGINES {
+            return Err(format!("engines must be in 1..={MAX_ENGINES}"));
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err("time scale must be a positive number".into());
+        }
+        if self.block_size == 0 {
+            return Err("block size must be at least 1".into());
+        }
+        for (what, value) in [
+            ("model", &self.model),
+            ("pool", &self.pool),
+            ("namespace", &self.namespace),
+        ] {
+            if value.is_empty()
+                || !value
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_/".contains(c))
+            {
+                return Err(format!(
+                    "{what} `{value}`: use letters, digits, `-`, `_` or `/`"
+                ));
+            }
+        }
+        if self.envoy_lb == EnvoyLb::OriginalDst && self.scheduler.fallbacks != 0 {
+            return Err(
+                "--envoy-lb original-dst follows one endpoint only: set fallbacks to 0".into(),
+            );
+        }
+        self.scheduler.validate().map_err(|e| e.to_string())
+    }
+
+    /// The configuration with another scheduling policy.
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.scheduler.policy = policy;
+        self
+    }
+}
+
+/// One process of the stack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Component {
+    /// `nats-server`.
+    Nats,
+    /// `kvgate-sim` number `i`.
+    Engine(usize),
+    /// The `kvgate-sidecar` in front of engine `i`.
+    Sidecar(usize),
+    /// `kvgate-epp`.
+    Epp,
+    /// Envoy.
+    Envoy,
+}
+
+impl Component {
+    /// The pod name of engine `i` (its endpoint name in the EPP).
+    pub fn pod_name(i: usize) -> String {
+        format!("sim-{i}")
+    }
+
+    /// Every component of a stack with `engines` engines, in start order.
+    pub fn start_order(engines: usize) -> Vec<Component> {
+        let mut all = vec![Component::Nats];
+        all.extend((0..engines).map(Component::Engine));
+        all.extend((0..engines).map(Component::Sidecar));
+        all.push(Component::Epp);
+        all.push(Component::Envoy);
+        all
+    }
+}
+
+impl fmt::Display for Component {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Component::Nats => f.write_str("nats"),
+            Component::Engine(i) => write!(f, "engine-{i}"),
+            Component::Sidecar(i) => write!(f, "sidecar-{i}"),
+            Component::Epp => f.write_str("epp"),
+            Component::Envoy => f.write_str("envoy"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::panic
+    )]
+
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_bad_values_are_named() {
+        StackConfig::default().validate().unwrap();
+        let bad = [
+            StackConfig {
+                engines: 0,
+                ..StackConfig::default()
+            },
+            StackConfig {
+                time_scale: 0.0,
+                ..StackConfig::default()
+            },
+            StackConfig {
+                time_scale: f64::NAN,
+                ..StackConfig::default()
+            },
+            StackConfig {
+                block_size: 0,
+                ..StackConfig::default()
+            },
+            StackConfig {
+                pool: "a b".into(),
+                ..StackConfig::default()
+            },
+            StackConfig {
+                envoy_lb: EnvoyLb::OriginalDst,
+                ..StackConfig::default()
+            },
+        ];
+        for c in bad {
+            assert!(c.validate().is_err(), "{c:?}");
+        }
+        let mut ok = StackConfig {
+            envoy_lb: EnvoyLb::OriginalDst,
+            ..StackConfig::default()
+        };
+        ok.scheduler.fallbacks = 0;
+        ok.validate().unwrap();
+    }
+
+    #[test]
+    fn start_order_starts_nats_first_and_envoy_last() {
+        let order = Component::start_order(2);
+        assert_eq!(order.first(), Some(&Component::Nats));
+        assert_eq!(order.last(), Some(&Component::Envoy));
+        assert_eq!(order.len(), 7);
+        let names: Vec<String> = order.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            names[1..5],
+            ["engine-0", "engine-1", "sidecar-0", "sidecar-1"]
+        );
+    }
+}

@@ -1,0 +1,282 @@
+//! The files a stack writes into its run directory, rendered from the configuration and the
+//! ports: the EPP's endpoints file and scheduler configuration, and Envoy's bootstrap. Pure.
+
+use std::fmt::Write as _;
+
+use super::config::{Component, EnvoyLb, KvEventsPath, StackConfig};
+use super::ports::Ports;
+
+/// The EPP's file-discovery document: one endpoint per engine, named by its pod, at its
+/// sidecar's proxy port (the address the sidecar stamps into its envelopes' `Source`).
+/// `live[i]` false leaves engine `i` out.
+pub fn endpoints_yaml(config: &StackConfig, ports: &Ports, live: &[bool]) -> String {
+    let mut out = String::from("endpoints:\n");
+    for (i, p) in ports.engines.iter().enumerate() {
+        if !live.get(i).copied().unwrap_or(true) {
+            continue;
+        }
+        let _ = write!(
+            out,
+            "  - {{name: {}, address: 127.0.0.1, ports: [{}]",
+            Component::pod_name(i),
+            p.proxy
+        );
+        if config.kv_events == KvEventsPath::Direct {
+            let _ = write!(
+                out,
+                ", events: \"tcp://127.0.0.1:{}\", replay: \"tcp://127.0.0.1:{}\"",
+                p.events, p.replay
+            );
+        }
+        out.push_str("}\n");
+    }
+    out
+}
+
+/// The EPP's scheduler file.
+pub fn scheduler_yaml(config: &StackConfig) -> Result<String, serde_yaml_ng::Error> {
+    serde_yaml_ng::to_string(&config.scheduler)
+}
+
+/// vLLM's `KVEventsConfig` JSON for an engine publishing on `events` with replay on `replay`.
+pub fn kv_events_config(events: u16, replay: u16) -> String {
+    serde_json::json!({
+        "enable_kv_cache_events": true,
+        "publisher": "zmq",
+        "endpoint": format!("tcp://*:{events}"),
+        "replay_endpoint": format!("tcp://*:{replay}"),
+    })
+    .to_string()
+}
+
+/// Response headers Envoy adds so clients (and the tests) see where a request went:
+/// `x-kvgate-upstream` is the host Envoy sent to, `x-kvgate-picked` the EPP's ordered list.
+pub const UPSTREAM_HEADER: &str = "x-kvgate-upstream";
+/// See [`UPSTREAM_HEADER`].
+pub const PICKED_HEADER: &str = "x-kvgate-picked";
+/// The request header Envoy turns into the subset hint metadata
+/// (`envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`) for the EPP.
+pub const SUBSET_HEADER: &str = "x-gateway-destination-endpoint-subset";
+
+/// Envoy's bootstrap: one listener → header-to-metadata (subset hint) → ext_proc (the EPP,
+/// FULL_DUPLEX_STREAMED both ways; with fail-open the request body is BUFFERED, because Envoy
+/// 1.40 can only fail open before it has streamed a body chunk to the processor, and a dead EPP
+/// is noticed after that) → router to the pool cluster, which follows the EPP's pick
+/// (`override_host` with the fallback list, or `ORIGINAL_DST` on the destination header).
+/// Connect failures and 502/503 from a sidecar are retried on the next host of the EPP's list.
+pub fn envoy_yaml(config: &StackConfig, ports: &Ports) -> String {
+    let hosts: String = ports
+        .engines
+        .iter()
+        .map(|p| {
+            format!(
+                "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }}\n",
+                p.proxy
+            )
+        })
+        .collect();
+    let pool = match config.envoy_lb {
+        EnvoyLb::OverrideHost => format!(
+            r#"  - name: pool
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: pool
+      endpoints:
+      - lb_endpoints:
+{hosts}    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - metadata: {{ key: envoy.lb, path: [ {{ key: x-gateway-destination-endpoint }} ] }}
+            selected_host_key: {{ key: envoy.lb, path: [ {{ key: x-gateway-destination-endpoint-served }} ] }}
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.round_robin
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+"#
+        ),
+        EnvoyLb::OriginalDst => r#"  - name: pool
+    type: ORIGINAL_DST
+    connect_timeout: 1s
+    lb_policy: CLUSTER_PROVIDED
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: x-gateway-destination-endpoint
+"#
+        .to_owned(),
+    };
+    format!(
+        r#"# Envoy for the kvgate local stack (written by kvgate-bench up).
+admin: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }} }}
+static_resources:
+  listeners:
+  - name: llm
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {listen} }} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: llm
+          access_log:
+          - name: envoy.access_loggers.stdout
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog
+              log_format: {{ text_format_source: {{ inline_string: "ACCESS status=%RESPONSE_CODE% upstream=%UPSTREAM_HOST% picked=%REQ(x-gateway-destination-endpoint)% flags=%RESPONSE_FLAGS%\n" }} }}
+          route_config:
+            name: llm
+            virtual_hosts:
+            - name: default
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                route:
+                  cluster: pool
+                  timeout: 300s
+                  retry_policy:
+                    retry_on: connect-failure,refused-stream,retriable-status-codes
+                    retriable_status_codes: [502, 503]
+                    num_retries: 3
+                response_headers_to_add:
+                - header: {{ key: {upstream}, value: "%UPSTREAM_HOST%" }}
+                - header: {{ key: {picked}, value: "%REQ(x-gateway-destination-endpoint)%" }}
+          http_filters:
+          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              request_rules:
+              - header: {subset}
+                on_header_present: {{ metadata_namespace: envoy.lb.subset_hint, key: {subset}, type: STRING }}
+                remove: true
+          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc: {{ cluster_name: ext_proc, authority: "localhost" }}
+                timeout: 10s
+              failure_mode_allow: {fail_open}
+              processing_mode:
+                request_header_mode: SEND
+                response_header_mode: SEND
+                request_body_mode: {request_body}
+                response_body_mode: FULL_DUPLEX_STREAMED
+                request_trailer_mode: SEND
+                response_trailer_mode: SEND
+              message_timeout: 10s
+              metadata_options:
+                forwarding_namespaces: {{ untyped: ["envoy.lb.subset_hint", "envoy.lb"] }}
+                receiving_namespaces: {{ untyped: ["envoy.lb"] }}
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+{pool}  - name: ext_proc
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+    load_assignment:
+      cluster_name: ext_proc
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {grpc} }} }} }}
+"#,
+        admin = ports.envoy_admin,
+        listen = ports.envoy_listen,
+        grpc = ports.epp_grpc,
+        fail_open = config.fail_open,
+        request_body = if config.fail_open {
+            "BUFFERED"
+        } else {
+            "FULL_DUPLEX_STREAMED"
+        },
+        upstream = UPSTREAM_HEADER,
+        picked = PICKED_HEADER,
+        subset = SUBSET_HEADER,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::panic
+    )]
+
+    use super::*;
+
+    fn ports() -> Ports {
+        Ports::allocate(2).unwrap()
+    }
+
+    #[test]
+    fn endpoints_list_the_sidecar_proxies_under_pod_names() {
+        let p = ports();
+        let c = StackConfig::default();
+        let y = endpoints_yaml(&c, &p, &[true, true]);
+        assert!(y.contains(&format!(
+            "{{name: sim-0, address: 127.0.0.1, ports: [{}]}}",
+            p.engines[0].proxy
+        )));
+        assert!(y.contains(&format!(
+            "{{name: sim-1, address: 127.0.0.1, ports: [{}]}}",
+            p.engines[1].proxy
+        )));
+        assert!(!y.contains("events"));
+        let y = endpoints_yaml(&c, &p, &[false, true]);
+        assert!(!y.contains("sim-0") && y.contains("sim-1"));
+        let direct = StackConfig {
+            kv_events: KvEventsPath::Direct,
+            ..c
+        };
+        let y = endpoints_yaml(&direct, &p, &[true, true]);
+        assert!(y.contains(&format!(
+            "events: \"tcp://127.0.0.1:{}\"",
+            p.engines[1].events
+        )));
+    }
+
+    #[test]
+    fn scheduler_file_round_trips_the_policy() {
+        let c = StackConfig::default().with_policy(scheduler::Policy::RoundRobin);
+        let y = scheduler_yaml(&c).unwrap();
+        let back = scheduler::SchedulerConfig::from_yaml(&y).unwrap();
+        assert_eq!(back, c.scheduler);
+    }
+
+    #[test]
+    fn envoy_config_names_every_port_and_the_fail_open_choice() {
+        let p = ports();
+        let y = envoy_yaml(&StackConfig::default(), &p);
+        for port in [
+            p.envoy_admin,
+            p.envoy_listen,
+            p.epp_grpc,
+            p.engines[0].proxy,
+            p.engines[1].proxy,
+        ] {
+            assert!(y.contains(&format!("port_value: {port} ")), "{port}");
+        }
+        assert!(y.contains("failure_mode_allow: false"));
+        assert!(y.contains("request_body_mode: FULL_DUPLEX_STREAMED"));
+        assert!(y.contains("override_host"));
+        let closed = StackConfig {
+            fail_open: false,
+            envoy_lb: EnvoyLb::OriginalDst,
+            ..StackConfig::default()
+        };
+        let y = envoy_yaml(&closed, &p);
+        assert!(y.contains("failure_mode_allow: false") && y.contains("ORIGINAL_DST"));
+        assert!(!y.contains(&format!("port_value: {} ", p.engines[0].proxy)));
+    }
+}

@@ -1,0 +1,220 @@
+//! `kvgate-bench up`: the command-line options of the local stack, and the foreground run that
+//! prints where to send requests and stops everything on Ctrl-C, SIGTERM or a component's death.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use scheduler::Policy;
+
+use super::config::{EnvoyLb, KvEventsPath, StackConfig};
+use super::error::StackError;
+use super::handle::Stack;
+
+/// Options of `kvgate-bench up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UpArgs {
+    /// Simulated engines, each behind its own sidecar.
+    #[arg(long, default_value_t = 3)]
+    pub engines: usize,
+    /// Engine preset (`kvgate-sim --preset`).
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// Engine time scale: above 1 runs faster than the modelled hardware.
+    #[arg(long, default_value_t = 10.0)]
+    pub time_scale: f64,
+    /// Served model name.
+    #[arg(long, default_value = "m")]
+    pub model: String,
+    /// KV block size in tokens.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// The EPP's scheduling policy: kv, prefix-only, least-load, round-robin or random.
+    #[arg(long, default_value = "kv")]
+    pub policy: Policy,
+    /// A scheduler configuration file for the EPP (its `policy` is replaced by --policy).
+    #[arg(long)]
+    pub scheduler_config: Option<PathBuf>,
+    /// Where the EPP takes KV events from.
+    #[arg(long, value_enum, default_value_t = KvEventsPath::Nats)]
+    pub kv_events: KvEventsPath,
+    /// How Envoy follows the EPP's pick (`original-dst` sets the EPP's fallbacks to 0).
+    #[arg(long, value_enum, default_value_t = EnvoyLb::OverrideHost)]
+    pub envoy_lb: EnvoyLb,
+    /// Envoy keeps serving (round robin) while the EPP is unreachable (request bodies are then
+    /// buffered: Envoy 1.40 cannot fail open once it has streamed a body chunk to the EPP).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub fail_open: bool,
+    /// An extra argument for every engine (repeat it), e.g. `--engine-arg=--max-waiting=8`.
+    #[arg(long = "engine-arg", allow_hyphen_values = true)]
+    pub engine_args: Vec<String>,
+    /// Run directory for configs and logs (default: a fresh /tmp/kvgate-stack.*).
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// `RUST_LOG` of the kvgate components.
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+    /// Seconds each component may take to become ready.
+    #[arg(long, default_value_t = 30)]
+    pub ready_timeout_s: u64,
+    /// Directory of kvgate-sim, kvgate-sidecar and kvgate-epp (default: next to kvgate-bench).
+    #[arg(long)]
+    pub bin_dir: Option<PathBuf>,
+    /// Envoy binary (default: $KVGATE_ENVOY, else the workspace's .venv).
+    #[arg(long)]
+    pub envoy: Option<PathBuf>,
+    /// Start the KV block manager (and Redis) too.
+    #[arg(long)]
+    pub kvbm: bool,
+}
+
+impl UpArgs {
+    /// The stack configuration these options describe.
+    pub fn config(&self) -> Result<StackConfig, StackError> {
+        if self.kvbm {
+            return Err(StackError::KvbmNotYet);
+        }
+        let mut scheduler = match &self.scheduler_config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| StackError::Io {
+                    what: format!("reading {}", path.display()),
+                    source,
+                })?;
+                scheduler::SchedulerConfig::from_yaml(&text)
+                    .map_err(|e| StackError::Config(format!("{}: {e}", path.display())))?
+            }
+            None => scheduler::SchedulerConfig::default(),
+        };
+        scheduler.policy = self.policy;
+        if self.envoy_lb == EnvoyLb::OriginalDst {
+            scheduler.fallbacks = 0;
+        }
+        Ok(StackConfig {
+            engines: self.engines,
+            preset: self.preset.clone(),
+            time_scale: self.time_scale,
+            model: self.model.clone(),
+            block_size: self.block_size,
+            engine_args: self.engine_args.clone(),
+            scheduler,
+            kv_events: self.kv_events,
+            envoy_lb: self.envoy_lb,
+            fail_open: self.fail_open,
+            log_level: self.log_level.clone(),
+            run_dir: self.run_dir.clone(),
+            bin_dir: self.bin_dir.clone(),
+            envoy: self.envoy.clone(),
+            ready_timeout: Duration::from_secs(self.ready_timeout_s),
+            ..StackConfig::default()
+        })
+    }
+}
+
+/// Starts the stack, prints its addresses, and runs until Ctrl-C or SIGTERM (success) or until
+/// a component dies (its error, naming the component and its log).
+pub fn run(args: &UpArgs) -> Result<(), StackError> {
+    let config = args.config()?;
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVGATE_BENCH_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let mut stack = Stack::start(config)?;
+    announce(&stack);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| StackError::Io {
+            what: "starting the signal runtime".into(),
+            source,
+        })?;
+    let outcome: Result<(), StackError> = runtime.block_on(async {
+        let signal = cli_support::shutdown_signal();
+        tokio::pin!(signal);
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        loop {
+            tokio::select! {
+                () = &mut signal => return Ok(()),
+                _ = tick.tick() => stack.check()?,
+            }
+        }
+    });
+    if let Err(e) = &outcome {
+        let component = e.component().map(|c| c.to_string()).unwrap_or_default();
+        tracing::error!(%component, "a component died; stopping the stack");
+    }
+    stack.stop();
+    outcome
+}
+
+fn announce(stack: &Stack) {
+    let p = stack.ports();
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "kvgate stack ready ({} engines, policy {})\n  OpenAI base URL: {}\n  run dir:         {}\n  \
+         EPP metrics:     http://127.0.0.1:{}/metrics\n  Envoy admin:     http://127.0.0.1:{}/\n  \
+         NATS:            nats://127.0.0.1:{}\nCtrl-C stops it.",
+        stack.config().engines,
+        stack.config().scheduler.policy,
+        stack.base_url(),
+        stack.run_dir().display(),
+        p.epp_metrics,
+        p.envoy_admin,
+        p.nats,
+    );
+    let _ = out.flush();
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::panic
+    )]
+
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        up: UpArgs,
+    }
+
+    #[test]
+    fn options_map_to_the_config() {
+        let cli = Cli::try_parse_from([
+            "x",
+            "--engines",
+            "2",
+            "--policy",
+            "round-robin",
+            "--envoy-lb",
+            "original-dst",
+            "--fail-open",
+            "true",
+            "--engine-arg=--max-waiting=4",
+        ])
+        .unwrap();
+        let c = cli.up.config().unwrap();
+        assert_eq!(c.engines, 2);
+        assert_eq!(c.scheduler.policy, Policy::RoundRobin);
+        assert_eq!(c.scheduler.fallbacks, 0);
+        assert!(c.fail_open);
+        assert_eq!(c.engine_args, ["--max-waiting=4"]);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn kvbm_is_refused_clearly() {
+        let cli = Cli::try_parse_from(["x", "--kvbm"]).unwrap();
+        let err = cli.up.config().unwrap_err();
+        assert!(matches!(err, StackError::KvbmNotYet));
+        assert!(err.to_string().contains("not yet"));
+    }
+}

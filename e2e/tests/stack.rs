@@ -1,0 +1,393 @@
+//! The end-to-end tier: the local stack (NATS, three `kvgate-sim` engines behind
+//! `kvgate-sidecar`s, `kvgate-epp` with file discovery, a real Envoy) driven through Envoy with
+//! plain HTTP. One stack per test, one test at a time (the machine is small).
+//!
+//! Needs `kvgate-epp` and `kvgate-sidecar` built into the same target directory
+//! (`cargo test --workspace` builds them) and Envoy in `.venv` (scripts/bootstrap.sh).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+mod support;
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kvgate_e2e::stack::{Component, Stack, StackConfig, probe};
+use scheduler::Policy;
+use support::gateway::{Reply, chat, post, post_bytes};
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn start(config: StackConfig) -> Stack {
+    let config = StackConfig {
+        log_level: "info".into(),
+        ..config
+    };
+    match Stack::start(config) {
+        Ok(stack) => stack,
+        Err(e) => panic!("stack did not start: {e}"),
+    }
+}
+
+/// Stops the stack and removes its run directory (kept when a test fails, for its logs).
+fn finish(stack: Stack) {
+    let dir = stack.run_dir().to_path_buf();
+    stack.stop();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+fn send(stack: &Stack, body: &serde_json::Value, headers: &[(&str, &str)]) -> Reply {
+    post(
+        stack.ports().envoy_listen,
+        "/v1/chat/completions",
+        headers,
+        body,
+    )
+}
+
+fn epp_metric(stack: &Stack, name: &str) -> f64 {
+    let page = stack.epp_metrics().unwrap();
+    probe::metric_sum(&page, name).unwrap_or_else(|| panic!("EPP has no {name}"))
+}
+
+/// Envelopes plus snapshots the EPP applied from NATS.
+fn synced(stack: &Stack) -> f64 {
+    epp_metric(stack, "kvgate_epp_nats_envelopes_applied_total")
+        + epp_metric(stack, "kvgate_epp_nats_snapshots_applied_total")
+}
+
+fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A system prompt of about 600 tokens (the simulator's byte tokenizer: 4 bytes a token).
+fn long_system(tag: &str) -> String {
+    format!("{tag}: ") + &"You are a careful assistant for the shared prefix test. ".repeat(45)
+}
+
+fn pod_of(stack: &Stack, upstream: &str) -> Option<String> {
+    stack
+        .endpoints()
+        .iter()
+        .position(|e| e == upstream)
+        .map(Component::pod_name)
+}
+
+#[test]
+fn requests_follow_the_epp_and_a_shared_prefix_sticks_with_cached_tokens() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let stack = start(StackConfig::default());
+    let listed = stack.endpoints();
+    // Distinct prompts spread over the pool, always to a listed endpoint, always the EPP's first
+    // choice, and the engine that answered is the one at that address.
+    for i in 0..12 {
+        let r = send(
+            &stack,
+            &chat(&format!("distinct {i}"), "hello", 4, false),
+            &[],
+        );
+        assert!(r.ok(), "request {i}: {r:?}");
+        let picked = r.picked();
+        assert!(!picked.is_empty(), "no pick list: {r:?}");
+        assert!(
+            picked.iter().all(|p| listed.contains(p)),
+            "{picked:?} not in {listed:?}"
+        );
+        assert_eq!(r.upstream(), picked[0], "Envoy left the EPP's first choice");
+        assert_eq!(pod_of(&stack, r.upstream()).as_deref(), Some(r.pod()));
+    }
+    // A shared prefix sticks to its pod after the first request; the engine reports cache hits.
+    let system = long_system("stick");
+    let first = send(&stack, &chat(&system, "question 0", 4, false), &[]);
+    assert!(first.ok(), "{first:?}");
+    std::thread::sleep(Duration::from_millis(300));
+    for i in 1..6 {
+        let r = send(
+            &stack,
+            &chat(&system, &format!("question {i}"), 4, false),
+            &[],
+        );
+        assert!(r.ok(), "{r:?}");
+        assert_eq!(
+            r.pod(),
+            first.pod(),
+            "request {i} left the pod holding the prefix"
+        );
+        assert!(
+            r.cached_tokens() >= 256,
+            "request {i}: {} cached tokens",
+            r.cached_tokens()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A malformed body is refused by the EPP with a reason, not forwarded.
+    let bad = post_bytes(
+        stack.ports().envoy_listen,
+        "/v1/chat/completions",
+        &[],
+        b"{not json",
+    );
+    assert_eq!(bad.status, 400, "{bad:?}");
+    assert!(bad.header("x-kvgate-drop-reason").is_some(), "{bad:?}");
+    // The events came through the sidecars over NATS, and every source resolved to an endpoint.
+    assert!(synced(&stack) > 0.0);
+    assert_eq!(
+        epp_metric(&stack, "kvgate_epp_nats_unknown_source_messages_total"),
+        0.0
+    );
+    assert!(epp_metric(&stack, "kvgate_epp_nats_sources") >= 1.0);
+    finish(stack);
+}
+
+#[test]
+fn killing_an_engine_fails_only_its_in_flight_requests() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut stack = start(StackConfig {
+        time_scale: 1.0,
+        ..StackConfig::default().with_policy(Policy::RoundRobin)
+    });
+    let port = stack.ports().envoy_listen;
+    // Six long streams, two per engine.
+    let streams: Vec<_> = (0..6)
+        .map(|i| {
+            let body = chat(&format!("long {i}"), "write a lot", 400, true);
+            std::thread::spawn(move || post(port, "/v1/chat/completions", &[], &body))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(700));
+    stack.kill(Component::Engine(0)).unwrap();
+    let replies: Vec<Reply> = streams.into_iter().map(|t| t.join().unwrap()).collect();
+    for r in &replies {
+        assert_eq!(r.status, 200, "{r:?}");
+        if r.pod() == "sim-0" {
+            assert!(
+                !r.complete,
+                "a stream on the killed engine completed: {r:?}"
+            );
+        } else {
+            assert!(r.complete, "a stream on a live engine failed: {r:?}");
+        }
+    }
+    assert!(
+        replies.iter().any(|r| r.pod() == "sim-0"),
+        "nothing was in flight on sim-0"
+    );
+    // Later requests route around it (Envoy moves on to the EPP's next choice).
+    for i in 0..9 {
+        let r = send(&stack, &chat(&format!("after {i}"), "hi", 4, false), &[]);
+        assert!(r.ok(), "request {i} after the kill: {r:?}");
+        assert_ne!(r.pod(), "sim-0");
+    }
+    finish(stack);
+}
+
+#[test]
+fn a_nats_outage_degrades_to_load_routing_and_the_index_recovers() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut stack = start(StackConfig::default());
+    let warm = send(&stack, &chat(&long_system("warm"), "q", 4, false), &[]);
+    assert!(warm.ok(), "{warm:?}");
+    wait_for("a NATS source in sync", Duration::from_secs(10), || {
+        synced(&stack) > 0.0 && epp_metric(&stack, "kvgate_epp_nats_stale_sources") == 0.0
+    });
+    stack.kill(Component::Nats).unwrap();
+    wait_for(
+        "the EPP to notice NATS is gone",
+        Duration::from_secs(10),
+        || epp_metric(&stack, "kvgate_epp_nats_connected") == 0.0,
+    );
+    // No request fails while NATS is away, and they still spread over the engines.
+    let mut pods = std::collections::BTreeSet::new();
+    for i in 0..12 {
+        let r = send(&stack, &chat(&format!("outage {i}"), "hi", 4, false), &[]);
+        assert!(r.ok(), "request {i} during the outage: {r:?}");
+        pods.insert(r.pod().to_owned());
+    }
+    assert!(pods.len() >= 2, "all outage requests went to {pods:?}");
+    let applied = synced(&stack);
+    stack.restart(Component::Nats).unwrap();
+    wait_for("the EPP to reconnect", Duration::from_secs(20), || {
+        epp_metric(&stack, "kvgate_epp_nats_connected") == 1.0
+    });
+    // The index recovers: new events arrive again and a new shared prefix sticks.
+    let system = long_system("after the outage");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let first = loop {
+        let r = send(&stack, &chat(&system, "q0", 4, false), &[]);
+        assert!(r.ok(), "{r:?}");
+        if synced(&stack) > applied {
+            break r;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no envelope applied after NATS came back"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    wait_for(
+        "stale sources to resynchronise",
+        Duration::from_secs(20),
+        || epp_metric(&stack, "kvgate_epp_nats_stale_sources") == 0.0,
+    );
+    for i in 1..4 {
+        let r = send(&stack, &chat(&system, &format!("q{i}"), 4, false), &[]);
+        assert!(r.ok(), "{r:?}");
+        assert_eq!(
+            r.pod(),
+            first.pod(),
+            "the recovered index did not keep the prefix"
+        );
+        assert!(r.cached_tokens() > 0);
+    }
+    finish(stack);
+}
+
+#[test]
+fn with_fail_open_requests_flow_while_the_epp_is_down() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut stack = start(StackConfig {
+        fail_open: true,
+        ..StackConfig::default()
+    });
+    // Routed through the EPP while it is up.
+    let r = send(&stack, &chat("before", "hi", 4, false), &[]);
+    assert!(r.ok() && !r.picked().is_empty(), "{r:?}");
+    stack.stop_component(Component::Epp).unwrap();
+    let mut pods = std::collections::BTreeSet::new();
+    for i in 0..9 {
+        let r = send(&stack, &chat(&format!("open {i}"), "hi", 4, false), &[]);
+        assert!(r.ok(), "request {i} without the EPP: {r:?}");
+        assert!(r.picked().is_empty(), "a pick list without an EPP: {r:?}");
+        pods.insert(r.pod().to_owned());
+    }
+    assert_eq!(pods.len(), 3, "Envoy's fallback did not spread: {pods:?}");
+    stack.restart(Component::Epp).unwrap();
+    let r = send(&stack, &chat("back", "hi", 4, false), &[]);
+    assert!(r.ok() && !r.picked().is_empty(), "{r:?}");
+    finish(stack);
+}
+
+#[test]
+fn without_fail_open_requests_fail_while_the_epp_is_down() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut stack = start(StackConfig {
+        engines: 1,
+        ..StackConfig::default()
+    });
+    assert!(!stack.config().fail_open, "GIE's default is fail-closed");
+    stack.stop_component(Component::Epp).unwrap();
+    let r = send(&stack, &chat("closed", "hi", 4, false), &[]);
+    assert!(r.status >= 500, "fail-closed Envoy answered {r:?}");
+    finish(stack);
+}
+
+#[test]
+fn overload_answers_429() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let stack = start(StackConfig {
+        engines: 1,
+        time_scale: 1.0,
+        engine_args: ["--max-num-seqs", "1", "--max-waiting", "1"]
+            .map(String::from)
+            .to_vec(),
+        ..StackConfig::default()
+    });
+    let port = stack.ports().envoy_listen;
+    let replies: Vec<Reply> = (0..8)
+        .map(|i| {
+            let body = chat(&format!("busy {i}"), "hi", 64, false);
+            std::thread::spawn(move || post(port, "/v1/chat/completions", &[], &body))
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    let statuses: Vec<u16> = replies.iter().map(|r| r.status).collect();
+    assert!(
+        statuses.contains(&429),
+        "no 429 under overload: {statuses:?}"
+    );
+    assert!(statuses.contains(&200), "nothing served: {statuses:?}");
+    assert!(
+        statuses.iter().all(|s| *s == 200 || *s == 429),
+        "{statuses:?}"
+    );
+    finish(stack);
+}
+
+/// GIE's gateway conformance assertions, against the local Envoy: the gateway follows the EPP's
+/// list (including its fallbacks when the first choice is unreachable) and honours subset hints.
+#[test]
+fn conformance_the_gateway_follows_the_list_and_subset_hints() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut stack = start(StackConfig::default().with_policy(Policy::RoundRobin));
+    let listed = stack.endpoints();
+    // A one-endpoint subset: every request lands there.
+    for i in 0..6 {
+        let r = send(
+            &stack,
+            &chat(&format!("subset {i}"), "hi", 2, false),
+            &[("x-gateway-destination-endpoint-subset", listed[1].as_str())],
+        );
+        assert!(r.ok(), "{r:?}");
+        assert_eq!(r.upstream(), listed[1]);
+        assert_eq!(r.picked(), vec![listed[1].clone()]);
+    }
+    // A two-endpoint subset: only those two, both used.
+    let pair = format!("{},{}", listed[0], listed[2]);
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..6 {
+        let r = send(
+            &stack,
+            &chat(&format!("pair {i}"), "hi", 2, false),
+            &[("x-gateway-destination-endpoint-subset", pair.as_str())],
+        );
+        assert!(r.ok(), "{r:?}");
+        assert!(
+            r.upstream() == listed[0] || r.upstream() == listed[2],
+            "{r:?}"
+        );
+        seen.insert(r.upstream().to_owned());
+    }
+    assert_eq!(seen.len(), 2);
+    // A subset that matches no endpoint is refused, not routed elsewhere.
+    let r = send(
+        &stack,
+        &chat("nowhere", "hi", 2, false),
+        &[("x-gateway-destination-endpoint-subset", "127.0.0.2:1")],
+    );
+    assert_eq!(r.status, 503, "{r:?}");
+    // The fallback list: with the first choice unreachable, Envoy takes the next one.
+    stack.kill(Component::Sidecar(0)).unwrap();
+    let mut fell_back = 0;
+    for i in 0..9 {
+        let r = send(&stack, &chat(&format!("fallback {i}"), "hi", 2, false), &[]);
+        assert!(r.ok(), "{r:?}");
+        let picked = r.picked();
+        assert!(picked.len() >= 2, "no fallbacks in {picked:?}");
+        if picked[0] == listed[0] {
+            assert_eq!(
+                r.upstream(),
+                picked[1],
+                "Envoy did not follow the list: {r:?}"
+            );
+            fell_back += 1;
+        } else {
+            assert_eq!(r.upstream(), picked[0]);
+        }
+    }
+    assert!(
+        fell_back > 0,
+        "round robin never put the dead endpoint first"
+    );
+    finish(stack);
+}
