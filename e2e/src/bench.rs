@@ -9,6 +9,9 @@ pub enum Command {
     Load(Box<crate::load::LoadArgs>),
     /// Summary table and PNG plots (TTFT, throughput vs load) from record files.
     Report(crate::load::ReportArgs),
+    /// Start the stack once and run a workload for each EPP policy and load level on the same
+    /// engines; records, the side-by-side table, plots and the engines' hit rates.
+    Compare(Box<crate::compare::CompareArgs>),
 }
 
 /// kvgate local stack and benchmarks.
@@ -32,6 +35,9 @@ pub enum BenchError {
     /// The load generator or the report.
     #[error(transparent)]
     Load(#[from] crate::load::LoadError),
+    /// A comparison.
+    #[error(transparent)]
+    Compare(#[from] crate::compare::CompareError),
 }
 
 impl cli_support::ExitStatus for BenchError {
@@ -40,6 +46,7 @@ impl cli_support::ExitStatus for BenchError {
             Self::Start(e) => e.exit_code(),
             Self::Stack(e) => e.exit_code(),
             Self::Load(e) => e.exit_code(),
+            Self::Compare(e) => e.exit_code(),
         }
     }
 }
@@ -50,5 +57,6 @@ pub fn run(args: Args) -> Result<(), BenchError> {
         Command::Up(up) => Ok(crate::stack::up::run(&up)?),
         Command::Load(args) => Ok(crate::load::run(*args)?),
         Command::Report(args) => Ok(crate::load::report::run(args)?),
+        Command::Compare(args) => Ok(crate::compare::run(&args)?),
     }
 }

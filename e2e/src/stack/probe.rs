@@ -15,12 +15,23 @@ pub fn tcp_open(port: u16, timeout: Duration) -> bool {
 
 /// `GET path` on `127.0.0.1:port`: the status and the body (at most [`MAX_PROBE_BYTES`]).
 pub fn http_get(port: u16, path: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
+    http_request(port, "GET", path, timeout)
+}
+
+/// `method path` with an empty body on `127.0.0.1:port`: the status and the body (at most
+/// [`MAX_PROBE_BYTES`]).
+pub fn http_request(
+    port: u16,
+    method: &str,
+    path: &str,
+    timeout: Duration,
+) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], port)), timeout)?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
     )?;
     let mut raw = Vec::new();
     s.take(MAX_PROBE_BYTES).read_to_end(&mut raw)?;
