@@ -188,17 +188,27 @@ fn open_loop_sends_in_arrival_order_never_early() {
             .all(|r| r.status == Status::Ok && r.load == Some(40.0))
     );
     records.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
-    let sent: Vec<u64> = records.iter().map(|r| r.session).collect();
-    let planned: Vec<u64> = w.sessions.iter().map(|s| s.id).collect();
-    // Sessions due at distinct times go out in that order (ties may swap).
-    for (i, s) in w.sessions.iter().enumerate() {
-        let at = sent.iter().position(|&id| id == s.id).unwrap();
-        let tied = w.sessions.iter().filter(|o| o.start == s.start).count();
-        assert!(
-            at.abs_diff(i) < tied.max(1),
-            "session {} sent {at}th, planned {i}th: {sent:?} vs {planned:?}",
-            s.id
-        );
+    let due = |id: u64| {
+        w.sessions
+            .iter()
+            .find(|s| s.id == id)
+            .unwrap()
+            .start
+            .as_secs_f64()
+            * 1_000.0
+    };
+    // Sessions are started in the order they are due. Two due within 50 ms of each other may
+    // record their starts in either order (task scheduling on a loaded machine); further apart,
+    // the earlier one must have been sent first.
+    for a in &records {
+        for b in &records {
+            if due(b.session) - due(a.session) >= 50.0 {
+                assert!(
+                    a.start_ms < b.start_ms,
+                    "{a:?} due before {b:?} but sent after"
+                );
+            }
+        }
     }
     for r in &records {
         let due = w.sessions.iter().find(|s| s.id == r.session).unwrap().start;

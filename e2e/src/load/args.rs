@@ -41,6 +41,12 @@ pub struct LoadArgs {
     /// Open loop: replay session start times this many times faster.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
+    /// The engines are `kvgate-sim --time-scale F`: pace the workload F× faster and record every
+    /// time multiplied by F, so records and summaries are in model time. Client-side and network
+    /// overheads are multiplied too. `--warmup`, `--duration`, `--timeout` and `--drain` stay in
+    /// wall seconds.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
     /// Stop starting requests after warm-up plus this many seconds; the summary covers them.
     #[arg(long)]
     pub duration: Option<f64>,
@@ -128,6 +134,11 @@ fn seconds(name: &str, value: f64) -> Result<Duration> {
 impl LoadArgs {
     /// Checks what can be checked before anything starts.
     pub fn validate(&self) -> Result<()> {
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(LoadError::Config(
+                "--time-scale must be finite and positive".into(),
+            ));
+        }
         if !(self.speedup.is_finite() && self.speedup > 0.0) {
             return Err(LoadError::Config(
                 "--speedup must be finite and positive".into(),

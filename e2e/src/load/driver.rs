@@ -21,6 +21,10 @@ use super::sink::Sink;
 pub struct Plan {
     /// Open loop: session starts and think times are divided by this.
     pub speedup: f64,
+    /// The engines run this many times faster than their model (`kvgate-sim --time-scale`):
+    /// starts and think times are divided by it as well, and every recorded time is multiplied
+    /// by it, so records are in model time. 1 for real engines.
+    pub time_scale: f64,
     /// The run label of the records.
     pub run: String,
     /// The load label of the records.
@@ -105,7 +109,8 @@ async fn open_loop(ctx: &Arc<Ctx>) {
         let Some(start) = ctx.workload.sessions.get(index).map(|s| s.start) else {
             break;
         };
-        tokio::time::sleep_until(ctx.t0 + scaled(start, ctx.plan.speedup)).await;
+        tokio::time::sleep_until(ctx.t0 + scaled(start, ctx.plan.speedup * ctx.plan.time_scale))
+            .await;
         if ctx.limits.exhausted() {
             break;
         }
@@ -158,7 +163,7 @@ async fn run_session(ctx: &Ctx, index: usize) {
     let mut answers: Vec<Vec<u32>> = Vec::with_capacity(session.turns.len());
     for (k, turn) in session.turns.iter().enumerate() {
         if k > 0 && !turn.think.is_zero() {
-            tokio::time::sleep(scaled(turn.think, ctx.plan.speedup)).await;
+            tokio::time::sleep(scaled(turn.think, ctx.plan.speedup * ctx.plan.time_scale)).await;
         }
         if !ctx.limits.admit() {
             return;
@@ -198,7 +203,7 @@ pub fn to_record(
     prompt_len: usize,
     reply: &Reply,
 ) -> RequestRecord {
-    let ms = |d: Duration| d.as_secs_f64() * 1_000.0;
+    let ms = |d: Duration| d.as_secs_f64() * 1_000.0 * plan.time_scale;
     let ttft_ms = reply.ttft.map(ms);
     let e2e_ms = ms(reply.e2e);
     let tpot_ms = match (ttft_ms, reply.output_tokens) {
@@ -237,6 +242,7 @@ mod tests {
     fn plan() -> Plan {
         Plan {
             speedup: 1.0,
+            time_scale: 1.0,
             run: "kv".into(),
             load: Some(60.0),
             deadline: None,

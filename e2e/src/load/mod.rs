@@ -36,6 +36,7 @@ pub fn run(args: LoadArgs) -> Result<()> {
         .map_err(|e| LoadError::Config(e.to_string()))?;
     let plan = driver::Plan {
         speedup: args.speedup,
+        time_scale: args.time_scale,
         run: args.run.clone(),
         load: Some(args.load_label(&workload)),
         deadline: args.deadline()?,
@@ -83,11 +84,13 @@ pub fn run(args: LoadArgs) -> Result<()> {
     // Abandoned request tasks hold sinks; shutting the runtime down drops them.
     runtime.shutdown_timeout(std::time::Duration::from_secs(5));
     let records = writer.finish()?;
-    let warmup_ms = args.warmup()?.as_secs_f64() * 1_000.0;
+    // The window in record time (model time under --time-scale).
+    let scale = 1_000.0 * args.time_scale;
+    let warmup_ms = args.warmup()?.as_secs_f64() * scale;
     let window = match args.deadline()? {
         Some(d) => Window {
             from_ms: warmup_ms,
-            to_ms: d.as_secs_f64() * 1_000.0,
+            to_ms: d.as_secs_f64() * scale,
         },
         None => Window {
             from_ms: warmup_ms,
