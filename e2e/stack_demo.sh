@@ -11,8 +11,9 @@ profile=debug; flag=()
 if [ "${1:-}" = --release ]; then profile=release; flag=(--release); fi
 target=${CARGO_TARGET_DIR:-$root/target}
 cd "$root"
-cargo build -q "${flag[@]}" -p kvgate-e2e --bin kvgate-sim --bin kvgate-bench -p kvgate-epp --bin kvgate-epp \
-  -p kvgate-sidecar --bin kvgate-sidecar
+# One package at a time: building them together unifies their dependencies' features and
+# rebuilds what `cargo build -p <crate>` already built.
+for pkg in kvgate-epp kvgate-sidecar kvgate-e2e; do cargo build -q "${flag[@]}" -p "$pkg" --bins; done
 out=$(mktemp /tmp/kvgate-stack-demo.XXXXXX)
 "$target/$profile/kvgate-bench" up --engines 3 > "$out" 2>"$out.err" &
 up=$!

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::config::StackConfig;
+use super::config::{Router, StackConfig};
 use super::error::StackError;
 
 /// The programs a stack runs.
@@ -19,6 +19,8 @@ pub struct Binaries {
     pub envoy: PathBuf,
     /// `nats-server`.
     pub nats: PathBuf,
+    /// The peer router, when one replaces Envoy and the EPP.
+    pub router: Option<PathBuf>,
 }
 
 const BUILD_HINT: &str = "build them first: cargo build -p kvgate-e2e -p kvgate-epp -p kvgate-sidecar \
@@ -32,9 +34,19 @@ impl Binaries {
             None => exe_dir()?,
         };
         let kvgate = |name: &str| existing(name, dir.join(name), BUILD_HINT);
-        let envoy = match &config.envoy {
-            Some(p) => existing("envoy", p.clone(), "pass an existing Envoy binary")?,
-            None => venv_envoy()?,
+        let envoy = match (&config.envoy, config.router) {
+            (Some(p), _) => existing("envoy", p.clone(), "pass an existing Envoy binary")?,
+            (None, Router::EnvoyEpp) => venv_envoy()?,
+            (None, _) => PathBuf::new(),
+        };
+        let router = match (config.router, &config.router_bin) {
+            (Router::EnvoyEpp, _) => None,
+            (r, Some(p)) => Some(existing(
+                r.program(),
+                p.clone(),
+                "pass an existing router binary",
+            )?),
+            (r, None) => Some(peer_router(r)?),
         };
         Ok(Binaries {
             sim: kvgate("kvgate-sim")?,
@@ -46,6 +58,7 @@ impl Binaries {
                 path: config.nats_server.clone(),
                 hint: "install it (Debian: apt-get install nats-server)".into(),
             })?,
+            router,
         })
     }
 }
@@ -95,6 +108,27 @@ fn venv_envoy() -> Result<PathBuf, StackError> {
         path: lib.join("python3*/site-packages/envoy/_bin/envoy"),
         hint: "run scripts/bootstrap.sh (it installs Envoy into .venv), or set KVGATE_ENVOY".into(),
     })
+}
+
+/// A peer router from `<workspace>/.venv/bin`, `$KVGATE_ROUTERS_VENV/bin` or the `PATH`.
+fn peer_router(router: Router) -> Result<PathBuf, StackError> {
+    let name = router.program();
+    let mut dirs = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin")];
+    if let Some(v) = std::env::var_os("KVGATE_ROUTERS_VENV") {
+        dirs.push(PathBuf::from(v).join("bin"));
+    }
+    dirs.iter()
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .or_else(|| on_path(Path::new(name)))
+        .ok_or_else(|| StackError::MissingBinary {
+            name: name.into(),
+            path: PathBuf::from(name),
+            hint: format!(
+                "install it from PyPI into a venv (python3 -m venv v && v/bin/pip install {name}) \
+                 and set KVGATE_ROUTERS_VENV=v, or pass --router-bin"
+            ),
+        })
 }
 
 /// `program` itself when it has a directory part, else the first match on `PATH` or in

@@ -29,6 +29,29 @@ pub enum KvEventsPath {
     Direct,
 }
 
+/// What routes the stack's requests to the engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Router {
+    /// Envoy with `kvgate-epp` (ext_proc).
+    #[default]
+    EnvoyEpp,
+    /// vLLM's router (PyPI `vllm-router`) over the sidecars' proxy ports, no Envoy and no EPP.
+    VllmRouter,
+    /// The Shepherd Model Gateway (PyPI `smg`, `smg launch`) over the sidecars' proxy ports.
+    Smg,
+}
+
+impl Router {
+    /// The program name.
+    pub const fn program(self) -> &'static str {
+        match self {
+            Router::EnvoyEpp => "envoy",
+            Router::VllmRouter => "vllm-router",
+            Router::Smg => "smg",
+        }
+    }
+}
+
 /// Everything `Stack::start` needs. Every field has a working default.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StackConfig {
@@ -56,6 +79,13 @@ pub struct StackConfig {
     /// GIE's default is fail-closed. Fail-open makes Envoy buffer request bodies (see
     /// [`render::envoy_yaml`](super::render::envoy_yaml)).
     pub fail_open: bool,
+    /// What routes requests: Envoy + EPP, or a peer router in their place.
+    pub router: Router,
+    /// A peer router's `--policy` (`cache_aware`, `round_robin`, …).
+    pub router_policy: String,
+    /// A peer router's program; found in `.venv/bin`, `$KVGATE_ROUTERS_VENV/bin` or on the
+    /// `PATH` when `None`.
+    pub router_bin: Option<PathBuf>,
     /// Pool name (NATS subjects, EPP metrics).
     pub pool: String,
     /// Namespace token of the NATS subjects.
@@ -88,6 +118,9 @@ impl Default for StackConfig {
             engine_args: Vec::new(),
             scheduler: SchedulerConfig::default(),
             kv_events: KvEventsPath::Nats,
+            router: Router::EnvoyEpp,
+            router_policy: "cache_aware".into(),
+            router_bin: None,
             envoy_lb: EnvoyLb::OverrideHost,
             fail_open: false,
             pool: "local".into(),
@@ -141,6 +174,20 @@ impl StackConfig {
         self.scheduler.validate().map_err(|e| e.to_string())
     }
 
+    /// The components this configuration runs, in start order.
+    pub fn components(&self) -> Vec<Component> {
+        let mut all = vec![Component::Nats];
+        all.extend((0..self.engines).map(Component::Engine));
+        all.extend((0..self.engines).map(Component::Sidecar));
+        if self.router == Router::EnvoyEpp {
+            all.push(Component::Epp);
+            all.push(Component::Envoy);
+        } else {
+            all.push(Component::Router);
+        }
+        all
+    }
+
     /// The configuration with another scheduling policy.
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.scheduler.policy = policy;
@@ -161,22 +208,14 @@ pub enum Component {
     Epp,
     /// Envoy.
     Envoy,
+    /// A peer router in place of Envoy and the EPP.
+    Router,
 }
 
 impl Component {
     /// The pod name of engine `i` (its endpoint name in the EPP).
     pub fn pod_name(i: usize) -> String {
         format!("sim-{i}")
-    }
-
-    /// Every component of a stack with `engines` engines, in start order.
-    pub fn start_order(engines: usize) -> Vec<Component> {
-        let mut all = vec![Component::Nats];
-        all.extend((0..engines).map(Component::Engine));
-        all.extend((0..engines).map(Component::Sidecar));
-        all.push(Component::Epp);
-        all.push(Component::Envoy);
-        all
     }
 }
 
@@ -188,6 +227,7 @@ impl fmt::Display for Component {
             Component::Sidecar(i) => write!(f, "sidecar-{i}"),
             Component::Epp => f.write_str("epp"),
             Component::Envoy => f.write_str("envoy"),
+            Component::Router => f.write_str("router"),
         }
     }
 }
@@ -244,15 +284,26 @@ mod tests {
     }
 
     #[test]
-    fn start_order_starts_nats_first_and_envoy_last() {
-        let order = Component::start_order(2);
+    fn start_order_starts_nats_first_and_the_router_last() {
+        let c = StackConfig {
+            engines: 2,
+            ..StackConfig::default()
+        };
+        let order = c.components();
         assert_eq!(order.first(), Some(&Component::Nats));
         assert_eq!(order.last(), Some(&Component::Envoy));
         assert_eq!(order.len(), 7);
         let names: Vec<String> = order.iter().map(ToString::to_string).collect();
         assert_eq!(
-            names[1..5],
-            ["engine-0", "engine-1", "sidecar-0", "sidecar-1"]
+            names[1..6],
+            ["engine-0", "engine-1", "sidecar-0", "sidecar-1", "epp"]
         );
+        let peer = StackConfig {
+            router: Router::Smg,
+            ..c
+        };
+        let order = peer.components();
+        assert_eq!(order.last(), Some(&Component::Router));
+        assert!(!order.contains(&Component::Epp) && !order.contains(&Component::Envoy));
     }
 }

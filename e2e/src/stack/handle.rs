@@ -10,7 +10,7 @@ use std::time::Duration;
 use scheduler::Policy;
 
 use super::bins::Binaries;
-use super::config::{Component, KvEventsPath, StackConfig};
+use super::config::{Component, KvEventsPath, Router, StackConfig};
 use super::error::StackError;
 use super::ports::Ports;
 use super::probe;
@@ -49,14 +49,14 @@ impl Stack {
             procs: BTreeMap::new(),
         };
         stack.write_configs()?;
-        for component in Component::start_order(stack.config.engines) {
+        for component in stack.config.components() {
             stack.start_component(component)?;
         }
         tracing::info!(run_dir = %stack.run_dir.display(), base_url = %stack.base_url(), "stack ready");
         Ok(stack)
     }
 
-    /// The OpenAI base URL (through Envoy), `http://127.0.0.1:<port>/v1`.
+    /// The OpenAI base URL (through Envoy, or the peer router), `http://127.0.0.1:<port>/v1`.
     pub fn base_url(&self) -> String {
         format!("http://127.0.0.1:{}/v1", self.ports.envoy_listen)
     }
@@ -66,7 +66,8 @@ impl Stack {
         &self.run_dir
     }
 
-    /// Every port.
+    /// Every port (with a peer router, `envoy_listen` is its port and `envoy_admin` its
+    /// Prometheus port).
     pub fn ports(&self) -> &Ports {
         &self.ports
     }
@@ -188,7 +189,7 @@ impl Stack {
     fn stop_all(&mut self) {
         let n = self.config.engines;
         let tiers: [Vec<Component>; 5] = [
-            vec![Component::Envoy],
+            vec![Component::Envoy, Component::Router],
             vec![Component::Epp],
             (0..n).map(Component::Sidecar).collect(),
             (0..n).map(Component::Engine).collect(),
@@ -211,15 +212,8 @@ impl Stack {
             .ok_or(StackError::NoSuchComponent(component))
     }
 
-    fn engine_index_ok(&self, component: Component) -> bool {
-        match component {
-            Component::Engine(i) | Component::Sidecar(i) => i < self.config.engines,
-            _ => true,
-        }
-    }
-
     fn start_component(&mut self, component: Component) -> Result<(), StackError> {
-        if !self.engine_index_ok(component) {
+        if !self.config.components().contains(&component) {
             return Err(StackError::NoSuchComponent(component));
         }
         let spec = self.spec(component);
@@ -241,6 +235,7 @@ impl Stack {
                 .is_some_and(|p| ok(p.sidecar_metrics, "/ready")),
             Component::Epp => ok(ports.epp_metrics, "/metrics"),
             Component::Envoy => ok(ports.envoy_admin, "/ready"),
+            Component::Router => ok(ports.envoy_listen, "/health"),
         }
     }
 
@@ -357,6 +352,30 @@ impl Stack {
                 ]),
                 vec![],
             ),
+            Component::Router => {
+                let mut args = strings(&[
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    &self.ports.envoy_listen.to_string(),
+                    "--prometheus-port",
+                    &self.ports.envoy_admin.to_string(),
+                    "--policy",
+                    &c.router_policy,
+                    "--worker-urls",
+                ]);
+                if c.router == Router::Smg {
+                    args.insert(0, "launch".into());
+                }
+                args.extend(
+                    self.ports
+                        .engines
+                        .iter()
+                        .map(|p| format!("http://127.0.0.1:{}", p.proxy)),
+                );
+                let program = self.bins.router.clone().unwrap_or_default();
+                (program, args, vec![])
+            }
         };
         Spec {
             component,
@@ -397,8 +416,7 @@ impl Stack {
 impl Drop for Stack {
     fn drop(&mut self) {
         // Envoy and the EPP first, so nothing routes to engines that are going away.
-        let order = Component::start_order(self.config.engines);
-        for component in order.into_iter().rev() {
+        for component in self.config.components().into_iter().rev() {
             if let Some(proc) = self.procs.remove(&component) {
                 proc.kill();
             }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use scheduler::Policy;
 
-use super::config::{EnvoyLb, KvEventsPath, StackConfig};
+use super::config::{EnvoyLb, KvEventsPath, Router, StackConfig};
 use super::error::StackError;
 use super::handle::Stack;
 
@@ -35,6 +35,15 @@ pub struct UpArgs {
     /// A scheduler configuration file for the EPP (its `policy` is replaced by --policy).
     #[arg(long)]
     pub scheduler_config: Option<PathBuf>,
+    /// What routes requests: Envoy + kvgate-epp, or a peer router from PyPI in their place.
+    #[arg(long, value_enum, default_value_t = Router::EnvoyEpp)]
+    pub router: Router,
+    /// The peer router's policy (`--router vllm-router|smg`).
+    #[arg(long, default_value = "cache_aware")]
+    pub router_policy: String,
+    /// The peer router's program (default: .venv/bin, $KVGATE_ROUTERS_VENV/bin, or PATH).
+    #[arg(long)]
+    pub router_bin: Option<PathBuf>,
     /// Where the EPP takes KV events from.
     #[arg(long, value_enum, default_value_t = KvEventsPath::Nats)]
     pub kv_events: KvEventsPath,
@@ -98,6 +107,9 @@ impl UpArgs {
             engine_args: self.engine_args.clone(),
             scheduler,
             kv_events: self.kv_events,
+            router: self.router,
+            router_policy: self.router_policy.clone(),
+            router_bin: self.router_bin.clone(),
             envoy_lb: self.envoy_lb,
             fail_open: self.fail_open,
             log_level: self.log_level.clone(),
@@ -150,18 +162,28 @@ pub fn run(args: &UpArgs) -> Result<(), StackError> {
 
 fn announce(stack: &Stack) {
     let p = stack.ports();
+    let c = stack.config();
+    let routing = match c.router {
+        Router::EnvoyEpp => format!(
+            "Envoy + kvgate-epp, policy {}\n  EPP metrics:     http://127.0.0.1:{}/metrics\n  \
+             Envoy admin:     http://127.0.0.1:{}/",
+            c.scheduler.policy, p.epp_metrics, p.envoy_admin
+        ),
+        r => format!(
+            "{} in place of Envoy + kvgate-epp, policy {}\n  router metrics:  http://127.0.0.1:{}/metrics",
+            r.program(),
+            c.router_policy,
+            p.envoy_admin
+        ),
+    };
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "kvgate stack ready ({} engines, policy {})\n  OpenAI base URL: {}\n  run dir:         {}\n  \
-         EPP metrics:     http://127.0.0.1:{}/metrics\n  Envoy admin:     http://127.0.0.1:{}/\n  \
-         NATS:            nats://127.0.0.1:{}\nCtrl-C stops it.",
-        stack.config().engines,
-        stack.config().scheduler.policy,
+        "kvgate stack ready ({} engines)\n  OpenAI base URL: {}\n  run dir:         {}\n  \
+         routing:         {routing}\n  NATS:            nats://127.0.0.1:{}\nCtrl-C stops it.",
+        c.engines,
         stack.base_url(),
         stack.run_dir().display(),
-        p.epp_metrics,
-        p.envoy_admin,
         p.nats,
     );
     let _ = out.flush();
