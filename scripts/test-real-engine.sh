@@ -7,13 +7,15 @@
 #      confirmed by the engine's own usage.prompt_tokens_details.cached_tokens;
 #   c. the sidecar's pass-through proxy streams vLLM's SSE unchanged.
 #
-#   scripts/test-real-engine.sh        (idempotent; first run installs ~8.3 GB in about 5 min)
+#   scripts/test-real-engine.sh [cargo options, e.g. --release]
+#       (idempotent; the first run installs ~8.3 GB in about 5 min)
 #
 # Runs the shared setup (../shared/scripts/real-vllm/setup.sh, which skips finished steps), builds
 # the binaries, then runs the test with KVGATE_REAL_VLLM=1. Without that variable the test prints
 # a SKIPPED line and passes, which is what CI does. Needs ~5 GiB of free memory while vLLM runs.
 # Environment: KVGATE_SHARED (default ../shared), KVGATE_REAL_VLLM_DIR (default
-# ~/.cache/kvgate-real-vllm), CARGO_TARGET_DIR.
+# ~/.cache/kvgate-real-vllm), CARGO_TARGET_DIR; KVGATE_EPP_BIN and KVGATE_SIM_BIN use those
+# binaries instead of building them.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 shared=${KVGATE_SHARED:-$root/../shared}
@@ -29,7 +31,7 @@ avail_gib=$(awk '/^MemAvailable:/ { print int($2 / 1048576) }' /proc/meminfo)
 [ "$avail_gib" -ge 5 ] || die "only ${avail_gib} GiB of memory available; one vLLM server needs about 4.5 GiB"
 [ -x "${KVGATE_NATS_SERVER:-/usr/sbin/nats-server}" ] || die "nats-server not found (Debian: apt-get install nats-server, or set KVGATE_NATS_SERVER)"
 cd "$root"
-cargo build -p kvgate-sidecar -p kvgate-epp -p kvgate-e2e \
-  --bin kvgate-sidecar --bin kvgate-epp --bin kvgate-sim
+[ -n "${KVGATE_EPP_BIN:-}" ] || cargo build "$@" -p kvgate-epp --bin kvgate-epp
+[ -n "${KVGATE_SIM_BIN:-}" ] || cargo build "$@" -p kvgate-e2e --bin kvgate-sim
 KVGATE_REAL_VLLM=1 KVGATE_REAL_VLLM_DIR="$dir" KVGATE_SHARED="$shared" \
-  cargo test -p kvgate-sidecar --test real_vllm -- --nocapture
+  cargo test "$@" -p kvgate-sidecar --test real_vllm -- --nocapture

@@ -223,13 +223,16 @@ async fn check_events(ctx: Arc<Ctx>) {
     ));
 }
 
-/// Starts `kvgate-sim` as a second engine: model `tiny`, the real tokenizer, block size 32.
+/// Starts `kvgate-sim` (`$KVGATE_SIM_BIN`, else the target directory's) as a second engine:
+/// model `tiny`, the real tokenizer, block size 32.
 fn start_sim(tokenizer_dir: &std::path::Path) -> (http_support::Sim, u16, u16) {
     let [http, publisher, replay] = http_support::free_ports::<3>();
     let config = format!(
         r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{publisher}","replay_endpoint":"tcp://*:{replay}"}}"#
     );
-    let child = Command::new(http_support::sim_binary())
+    let bin =
+        std::env::var_os("KVGATE_SIM_BIN").map_or_else(http_support::sim_binary, PathBuf::from);
+    let child = Command::new(bin)
         .args(["--host", "127.0.0.1", "--port", &http.to_string()])
         .args([
             "--model",

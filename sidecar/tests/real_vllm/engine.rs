@@ -64,7 +64,7 @@ impl Vllm {
             startup: Duration::ZERO,
             tmp,
         };
-        v.wait_ready(Duration::from_secs(300));
+        v.wait_ready(Duration::from_secs(600)); // 60-100 s alone; minutes under build load
         v.startup = t0.elapsed();
         v
     }

@@ -19,9 +19,13 @@ pub struct Endpoint<'a> {
 
 static BUILD: Mutex<()> = Mutex::new(());
 
-/// The `kvgate-epp` binary beside this crate's binaries (another package's, so built on first
-/// use; `scripts/test-real-engine.sh` builds it beforehand).
+/// The `kvgate-epp` binary: `$KVGATE_EPP_BIN`, else the one beside this crate's binaries
+/// (another package's, so built on first use; `scripts/test-real-engine.sh` builds it
+/// beforehand).
 pub fn epp_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVGATE_EPP_BIN") {
+        return PathBuf::from(p);
+    }
     let _guard = BUILD.lock().unwrap_or_else(|e| e.into_inner());
     let bin = Path::new(env!("CARGO_BIN_EXE_kvgate-sidecar")).with_file_name("kvgate-epp");
     if !bin.is_file() {
