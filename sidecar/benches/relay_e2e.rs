@@ -300,8 +300,7 @@ fn main() {
     std::thread::sleep(Duration::from_millis(500));
 
     println!(
-        "machine: {} CPUs, load average {}; sidecar on CPU {sidecar_cpu:?}, publisher + subscriber + nats-server on CPU {load_cpu:?}",
-        std::thread::available_parallelism().map_or(0, usize::from),
+        "machine: load average {}; sidecar on CPU {sidecar_cpu:?}, publisher + subscriber + nats-server on CPU {load_cpu:?}",
         std::fs::read_to_string("/proc/loadavg")
             .unwrap_or_default()
             .trim()
@@ -324,6 +323,10 @@ fn main() {
             metric(metrics_port, "kvgate_sidecar_drops_total"),
         );
         let cpu0 = cpu_seconds(sidecar_pid);
+        let relay0 = (
+            metric(metrics_port, "kvgate_sidecar_relay_latency_seconds_sum"),
+            metric(metrics_port, "kvgate_sidecar_relay_latency_seconds_count"),
+        );
         let start = Instant::now();
         let (mut sent_frames, mut events) = (0u64, 0u64);
         let total = Duration::from_secs_f64(secs);
@@ -350,6 +353,17 @@ fn main() {
         std::thread::sleep(Duration::from_millis(1000)); // drain
         let cpu = (cpu_seconds(sidecar_pid) - cpu0) / (sent_secs + 1.0);
         let gaps = metric(metrics_port, "kvgate_sidecar_gaps_total") - gaps0;
+        // The sidecar's own histogram: engine frame received → envelope handed to the NATS
+        // client; its mean apportions the end-to-end figure.
+        let relay_count =
+            metric(metrics_port, "kvgate_sidecar_relay_latency_seconds_count") - relay0.1;
+        let relay_mean_us = if relay_count > 0.0 {
+            (metric(metrics_port, "kvgate_sidecar_relay_latency_seconds_sum") - relay0.0)
+                / relay_count
+                * 1e6
+        } else {
+            0.0
+        };
         let drops = metric(metrics_port, "kvgate_sidecar_drops_total") - drops0;
         let mut s = seen.lock().unwrap();
         s.latencies_us.sort_unstable();
@@ -375,7 +389,7 @@ fn main() {
             envelopes: s.envelopes,
         };
         println!(
-            "target {:>9.0}/s  sent {:>9.0}/s  received {:>9.0}/s  frames {:>7} (unseen {:>5})  envelopes {:>6}  latency p50 {:>6} us  p99 {:>7} us  p99.9 {:>7} us  max {:>7} us  sidecar CPU {:>4.2} cores  gaps {} drops {}  Cleared {}",
+            "target {:>9.0}/s  sent {:>9.0}/s  received {:>9.0}/s  frames {:>7} (unseen {:>5})  envelopes {:>6}  latency p50 {:>6} us  p99 {:>7} us  p99.9 {:>7} us  max {:>7} us  sidecar CPU {:>4.2} cores, own relay mean {:>7.0} us  gaps {} drops {}  Cleared {}",
             run.target,
             run.sent_rate,
             run.recv_rate,
@@ -387,6 +401,7 @@ fn main() {
             run.p999,
             run.max,
             run.sidecar_cpu,
+            relay_mean_us,
             run.gaps,
             run.drops,
             s.cleared
@@ -399,10 +414,10 @@ fn main() {
             r.lost_frames == 0
                 && r.gaps == 0.0
                 && r.drops == 0.0
-                && r.sent_rate >= 0.95 * r.target
+                && r.sent_rate >= 0.99 * r.target
                 && r.p99 < 50_000
         })
-        .map(|r| r.sent_rate)
+        .map(|r| r.target)
         .fold(0.0, f64::max);
     if let Some(r) = runs.iter().find(|r| (r.target - 100_000.0).abs() < 1.0) {
         println!(
@@ -412,7 +427,7 @@ fn main() {
         );
     }
     println!(
-        "verdict: highest rate sustained with every frame delivered, no gap or drop, p99 < 50 ms = {:.0} block events/s (target >= 1 M): {}",
+        "verdict: highest target rate sustained (sent >= 99% of it, every frame delivered, no gap or drop, p99 < 50 ms) = {:.0} block events/s (target >= 1 M): {}",
         sustained,
         if sustained >= 1e6 { "met" } else { "missed" }
     );

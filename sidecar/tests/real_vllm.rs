@@ -256,8 +256,11 @@ fn start_sim(tokenizer_dir: &std::path::Path) -> (http_support::Sim, u16, u16) {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("spawn kvgate-sim");
-    let sim = http_support::Sim { child, port: http };
-    wait_for("kvgate-sim /health", Duration::from_secs(30), || {
+    let mut sim = http_support::Sim { child, port: http };
+    wait_for("kvgate-sim /health", Duration::from_secs(60), || {
+        if let Ok(Some(status)) = sim.child.try_wait() {
+            panic!("kvgate-sim exited during start-up: {status}");
+        }
         http_support::request(http, "GET", "/health", &[], b"").is_ok_and(|r| r.status == 200)
     });
     (sim, publisher, replay)
