@@ -152,6 +152,8 @@ impl Sim {
 pub struct Sidecar {
     pub proc: Proc,
     pub metrics_port: u16,
+    /// The P/D proxy's port (the address routers send to).
+    pub proxy_port: u16,
 }
 
 impl Sidecar {
@@ -198,6 +200,7 @@ impl Sidecar {
         let sc = Sidecar {
             proc: Proc(child),
             metrics_port,
+            proxy_port,
         };
         wait_for("sidecar /metrics", Duration::from_secs(20), || {
             sc.metrics_text().is_some()
