@@ -11,16 +11,36 @@
 //! on demand by [`Vocab::tokens`]: equal seeds give equal tokens, hence equal KV blocks at any
 //! block size. A one-hour production trace with 12,000-token prompts stays a few megabytes.
 //!
+//! The generators: [`read_mooncake`] (the Mooncake conversation trace), [`doks`] (seed 001's
+//! multi-turn demo) and [`shared_prefix`] (llm-d's groups of users behind shared system
+//! prompts), all seeded and deterministic.
+//!
 //! The live load generator (`kvgate-bench`) sends the prompts to a real OpenAI endpoint and
 //! appends the answers the engine returns; the discrete-event replay appends
-//! [`synth_answer`]. Both record one [`RequestRecord`] per request.
+//! [`synth_answer`]. Both record one [`RequestRecord`] per request; [`summarize`] turns a run's
+//! records into its figures and [`render_table`] sets several runs side by side.
 //!
 //! Pure: no I/O apart from the trace reader's `BufRead`, no clock, no threads.
 
 mod content;
+mod doks;
+mod mooncake;
+pub mod percentile;
 mod record;
+mod rng;
 mod session;
+mod shared_prefix;
+mod summary;
+mod table;
 
 pub use content::{Span, Vocab, synth_answer};
+pub use doks::{DoksOptions, Tokens, doks};
+pub use mooncake::{
+    BLOCK_TOKENS, MAX_LINE_BYTES, MooncakeError, MooncakeOptions, block_seed, read_mooncake,
+};
+pub use percentile::{Sorted, Stats};
 pub use record::{RequestRecord, Status};
 pub use session::{Pacing, Session, Turn, Workload};
+pub use shared_prefix::{MAX_REQUESTS, SharedPrefixError, SharedPrefixOptions, shared_prefix};
+pub use summary::{Slo, Summary, Window, summarize, summarize_runs};
+pub use table::render_table;

@@ -22,6 +22,10 @@ pub enum Status {
 pub struct RequestRecord {
     /// Which run this belongs to (the routing policy or router under test).
     pub run: String,
+    /// The load the run was driven at (concurrency for a closed loop, requests per second or
+    /// speed-up for an open one), when the run is one point of a sweep. Reports plot against it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<f64>,
     /// [`crate::Session::id`].
     pub session: u64,
     /// Turn index within the session, from 0.
@@ -63,6 +67,7 @@ mod tests {
     fn records_are_one_json_line_and_round_trip() {
         let r = RequestRecord {
             run: "kv".into(),
+            load: Some(60.0),
             session: 1,
             turn: 0,
             group: 2,
@@ -82,5 +87,12 @@ mod tests {
         assert!(!line.contains('\n'));
         assert!(line.contains(r#""status":"ok""#));
         assert_eq!(serde_json::from_str::<RequestRecord>(&line).unwrap(), r);
+        let no_load = RequestRecord { load: None, ..r };
+        let line = serde_json::to_string(&no_load).unwrap();
+        assert!(!line.contains("load"));
+        assert_eq!(
+            serde_json::from_str::<RequestRecord>(&line).unwrap(),
+            no_load
+        );
     }
 }
