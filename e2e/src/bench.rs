@@ -9,6 +9,8 @@ pub enum Command {
         #[arg(long, default_value_t = 4)]
         engines: u32,
     },
+    /// Replay a workload against engine models in virtual time, routed by the EPP's code.
+    Replay(crate::replay_cmd::ReplayArgs),
 }
 
 /// kvgate local stack and benchmarks.
@@ -26,6 +28,9 @@ pub fn run(args: Args) -> Result<(), cli_support::StartError> {
         Command::Up { engines: 0 } => Err(cli_support::StartError::Config(
             "--engines must be at least 1".into(),
         )),
+        Command::Replay(a) => {
+            crate::replay_cmd::run(&a).map_err(|e| cli_support::StartError::Config(e.to_string()))
+        }
         Command::Up { .. } => Err(cli_support::NotInThisBuild {
             component: "kvgate-bench",
             capability: "the local stack",

@@ -3,4 +3,5 @@
 //! reports (issue #7). This build parses and validates their configuration only.
 
 pub mod bench;
+pub mod replay_cmd;
 pub mod sim;

@@ -11,6 +11,8 @@ pub const MS: Nanos = 1_000_000;
 pub struct ReplayConfig {
     /// Label written into every record's `run` (the policy or variant under test).
     pub run: String,
+    /// Label written into every record's `load` (the concurrency or speed-up of this run).
+    pub load: Option<f64>,
     /// Number of engines, at least one.
     pub engines: usize,
     /// Every engine's configuration (a preset's, usually).
@@ -23,6 +25,10 @@ pub struct ReplayConfig {
     pub seed: u64,
     /// The engines' block-hash seed (vLLM's `PYTHONHASHSEED`-like constant; one for all).
     pub engine_hash_seed: u64,
+    /// From the client's send to the request reaching its engine: the gateway path (Envoy,
+    /// the EPP, the network) and whatever the serving frontend does first (chat template,
+    /// tokenization). It adds to TTFT and end-to-end latency, not to engine work.
+    pub request_latency: Nanos,
     /// From the end of an engine step to its KV events reaching the index (sidecar + NATS).
     pub event_delay: Nanos,
     /// How often engine load samples reach the router; zero sends none (EPP accounting only).
@@ -40,12 +46,14 @@ impl ReplayConfig {
     pub fn new(engines: usize, engine: EngineConfig) -> Self {
         Self {
             run: "kv".into(),
+            load: None,
             engines,
             engine,
             scheduler: SchedulerConfig::default(),
             model: "model".into(),
             seed: 0,
             engine_hash_seed: 0x6b76_6761_7465,
+            request_latency: 0,
             event_delay: 5 * MS,
             load_interval: 200 * MS,
             expire_interval: 500 * MS,

@@ -3,7 +3,9 @@
 //!
 //! Events, in virtual nanoseconds, ties in scheduling order ([`EventQueue`]):
 //! - `Send(session)`: the session's next turn is sent (its prompt is the whole history with
-//!   the earlier answers from [`synth_answer`]); the router places it and the engine queues it.
+//!   the earlier answers from [`synth_answer`]); the router places it.
+//! - `Arrive(engine, request)`: `request_latency` later, the engine queues it (at once when
+//!   the latency is zero).
 //! - `Kick(engine)`: an idle engine with work starts a step. Kicks are queued, not run inline,
 //!   so requests sent at the same instant are batched as a live engine would batch them.
 //! - `StepDone(engine)`: a step's outputs are delivered (first tokens, completions), its KV
@@ -64,6 +66,7 @@ pub struct ReplayOutput {
 #[derive(Debug)]
 enum Event {
     Send(usize),
+    Arrive(usize, Box<NewRequest>),
     Kick(usize),
     StepDone(usize),
     Deliver(usize, Vec<engine_model::CacheEvent>),
@@ -201,6 +204,7 @@ impl<'w> Replay<'w> {
         self.events += 1;
         match event {
             Event::Send(s) => self.send(s),
+            Event::Arrive(e, request) => self.arrive(e, *request),
             Event::Kick(e) => {
                 if let Some(slot) = self.engines.get_mut(e) {
                     slot.kicked = false;
@@ -306,25 +310,6 @@ impl<'w> Replay<'w> {
             arrival: self.now,
             kv_transfer: None,
         };
-        let Some(slot) = self.engines.get_mut(placement.engine) else {
-            self.router.finished(placement.token);
-            self.fail(s, k, prompt_tokens, None, 503, "no such engine".into());
-            self.end_session(s);
-            return;
-        };
-        if let Err(e) = slot.engine.add_request(request) {
-            self.router.finished(placement.token);
-            self.fail(
-                s,
-                k,
-                prompt_tokens,
-                Some(placement.engine),
-                400,
-                e.to_string(),
-            );
-            self.end_session(s);
-            return;
-        }
         self.requests.insert(
             id,
             OpenRequest {
@@ -339,9 +324,46 @@ impl<'w> Replay<'w> {
                 output_tokens: 0,
             },
         );
-        if slot.step.is_none() && !slot.kicked {
+        if self.config.request_latency == 0 {
+            self.arrive(placement.engine, request);
+        } else {
+            self.queue.push(
+                self.now + self.config.request_latency,
+                Event::Arrive(placement.engine, Box::new(request)),
+            );
+        }
+    }
+
+    /// A routed request reaches its engine.
+    fn arrive(&mut self, e: usize, mut request: NewRequest) {
+        request.arrival = self.now;
+        let id = request.id;
+        let added = match self.engines.get_mut(e) {
+            Some(slot) => slot.engine.add_request(request).map_err(|e| e.to_string()),
+            None => Err("no such engine".to_owned()),
+        };
+        if let Err(error) = added {
+            let Some(open) = self.requests.remove(&id) else {
+                return;
+            };
+            self.router.finished(open.token);
+            self.fail(
+                open.session,
+                open.turn,
+                open.prompt_tokens,
+                Some(e),
+                400,
+                error,
+            );
+            self.end_session(open.session);
+            return;
+        }
+        if let Some(slot) = self.engines.get_mut(e)
+            && slot.step.is_none()
+            && !slot.kicked
+        {
             slot.kicked = true;
-            self.queue.push(self.now, Event::Kick(placement.engine));
+            self.queue.push(self.now, Event::Kick(e));
         }
     }
 
@@ -421,6 +443,7 @@ impl<'w> Replay<'w> {
         };
         self.records.push(RequestRecord {
             run: self.config.run.clone(),
+            load: self.config.load,
             session: session.id,
             turn: open.turn,
             group: session.group,
@@ -473,6 +496,7 @@ impl<'w> Replay<'w> {
         };
         self.records.push(RequestRecord {
             run: self.config.run.clone(),
+            load: self.config.load,
             session: session.id,
             turn,
             group: session.group,
