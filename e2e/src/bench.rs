@@ -10,7 +10,7 @@ pub enum Command {
         engines: u32,
     },
     /// Replay a workload against engine models in virtual time, routed by the EPP's code.
-    Replay(crate::replay_cmd::ReplayArgs),
+    Replay(Box<crate::replay_cmd::ReplayArgs>),
 }
 
 /// kvgate local stack and benchmarks.
