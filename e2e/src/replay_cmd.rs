@@ -308,3 +308,102 @@ fn note(policy: Policy, load: f64, r: &ReplayOutput, wall: Duration) -> String {
         reasons.join(" "),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::panic
+    )]
+    use super::*;
+    use clap::Parser as _;
+
+    fn args(extra: &[&str]) -> ReplayArgs {
+        let mut argv = vec!["kvgate-bench", "replay"];
+        argv.extend_from_slice(extra);
+        match crate::bench::Args::parse_from(argv).command {
+            crate::bench::Command::Replay(a) => *a,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn doks_plans_follow_the_levels_think_time_and_window() {
+        let a = args(&[
+            "--workload",
+            "doks",
+            "--concurrency",
+            "2,3",
+            "--think-ms",
+            "1500",
+            "--warmup-s",
+            "10",
+            "--duration-s",
+            "20",
+            "--policy",
+            "kv,round-robin",
+        ]);
+        assert_eq!(a.policy, vec![Policy::Kv, Policy::RoundRobin]);
+        let p = plans(&a).unwrap();
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[1].load, 3.0);
+        assert_eq!(p[0].stop_at, Some(30 * 1_000 * MS));
+        let w = p[0].window.unwrap();
+        assert_eq!((w.from_ms, w.to_ms), (10_000.0, 30_000.0));
+        for s in &p[0].workload.sessions {
+            assert_eq!(s.turns[0].think, Duration::ZERO);
+            assert!(
+                s.turns[1..]
+                    .iter()
+                    .all(|t| t.think == Duration::from_millis(1500))
+            );
+        }
+        let zero = args(&["--workload", "doks", "--concurrency", "0"]);
+        assert!(matches!(plans(&zero), Err(ReplayCmdError::Options(_))));
+    }
+
+    #[test]
+    fn a_tiny_shared_prefix_run_writes_one_record_per_request() {
+        let dir = std::env::temp_dir().join(format!("kvgate-replay-cmd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("records.jsonl");
+        let mut a = args(&[
+            "--workload",
+            "shared-prefix",
+            "--preset",
+            "small",
+            "--engines",
+            "2",
+            "--qps",
+            "50",
+            "--policy",
+            "kv,round-robin",
+        ]);
+        a.out = out.clone();
+        run(&a).unwrap();
+        let text = std::fs::read_to_string(&out).unwrap();
+        let records: Vec<RequestRecord> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let per_run = SharedPrefixOptions::default().groups
+            * SharedPrefixOptions::default().users_per_group
+            * SharedPrefixOptions::default().questions_per_user;
+        assert_eq!(records.len(), 2 * per_run as usize);
+        assert!(records.iter().all(|r| r.load == Some(50.0)));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_engine_hit_rate_is_hits_over_queries() {
+        let e = |h, q| EngineStats {
+            prefix_cache_hits: h,
+            prefix_cache_queries: q,
+            ..EngineStats::default()
+        };
+        assert_eq!(engine_hit_rate(&[e(1, 4), e(3, 4)]), 0.5);
+        assert_eq!(engine_hit_rate(&[]), 0.0);
+    }
+}
