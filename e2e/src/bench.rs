@@ -12,6 +12,8 @@ pub enum Command {
     /// Start the stack once and run a workload for each EPP policy and load level on the same
     /// engines; records, the side-by-side table, plots and the engines' hit rates.
     Compare(Box<crate::compare::CompareArgs>),
+    /// Replay a workload against engine models in virtual time, routed by the EPP's code.
+    Replay(Box<crate::replay_cmd::ReplayArgs>),
 }
 
 /// kvgate local stack and benchmarks.
@@ -38,6 +40,9 @@ pub enum BenchError {
     /// A comparison.
     #[error(transparent)]
     Compare(#[from] crate::compare::CompareError),
+    /// A discrete-event replay.
+    #[error(transparent)]
+    Replay(#[from] crate::replay_cmd::ReplayCmdError),
 }
 
 impl cli_support::ExitStatus for BenchError {
@@ -47,6 +52,8 @@ impl cli_support::ExitStatus for BenchError {
             Self::Stack(e) => e.exit_code(),
             Self::Load(e) => e.exit_code(),
             Self::Compare(e) => e.exit_code(),
+            Self::Replay(crate::replay_cmd::ReplayCmdError::Options(_)) => cli_support::EXIT_CONFIG,
+            Self::Replay(_) => 1,
         }
     }
 }
@@ -58,5 +65,6 @@ pub fn run(args: Args) -> Result<(), BenchError> {
         Command::Load(args) => Ok(crate::load::run(*args)?),
         Command::Report(args) => Ok(crate::load::report::run(args)?),
         Command::Compare(args) => Ok(crate::compare::run(&args)?),
+        Command::Replay(args) => Ok(crate::replay_cmd::run(&args)?),
     }
 }

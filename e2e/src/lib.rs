@@ -1,10 +1,12 @@
 //! kvgate's development and test tools: `kvgate-sim`, a vLLM-compatible engine simulator
 //! (issue #4), and `kvgate-bench`, the local stack launcher, load generator and benchmark
 //! reports (issue #7): `kvgate-bench up` runs the local stack ([`stack`]), `load` and `report` drive and
-//! summarise workloads ([`load`]), `compare` sweeps policies and loads on one stack ([`compare`]).
+//! summarise workloads ([`load`]), `compare` sweeps policies and loads on one stack ([`compare`]),
+//! `replay` runs the same workloads in virtual time ([`replay_cmd`]).
 
 pub mod bench;
 pub mod compare;
 pub mod load;
+pub mod replay_cmd;
 pub mod sim;
 pub mod stack;

@@ -16,6 +16,8 @@
 //! - [`InflightTracker`]: the EPP's own per-endpoint accounting (routed → first token →
 //!   finished); [`LoadBook`]: engine-reported samples with staleness.
 //! - [`SchedulerConfig`]: the typed YAML configuration with validated defaults.
+//! - [`Scheduler::route`]: schedule + in-flight accounting, the step the EPP's picker and the
+//!   discrete-event replay share.
 //!
 //! Not here: parsing requests, tokenization, discovery, event ingestion, metrics export. The
 //! crate README documents the cost, the bounded-load rule and every configuration field.
@@ -64,6 +66,7 @@ mod inflight;
 mod load;
 mod policy;
 mod rng;
+mod route;
 mod scheduler;
 
 pub use config::{
@@ -79,4 +82,5 @@ pub use inflight::{
 };
 pub use kv_index::Millis;
 pub use load::{EngineLoad, LoadBook};
+pub use route::{DEFAULT_DECODE_BLOCKS, Routed};
 pub use scheduler::{ScheduleRequest, Scheduler};

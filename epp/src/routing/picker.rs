@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use kv_index::{KvIndex, Millis};
-use scheduler::{InflightToken, InflightTracker, LoadBook, ScheduleRequest, Scheduler};
+use scheduler::{InflightToken, InflightTracker, LoadBook, Routed, ScheduleRequest, Scheduler};
 
 use super::keys::{Keyed, Keyer};
 use super::request::{self, Api};
@@ -28,9 +28,6 @@ pub trait Objectives: Send + Sync + std::fmt::Debug {
     /// The priority of the objective `name` (unset priority is 0), `None` if unknown.
     fn priority(&self, name: &str) -> Option<i32>;
 }
-
-/// Expected output blocks for in-flight accounting when a request does not bound its output.
-const DEFAULT_DECODE_BLOCKS: u32 = 16;
 
 /// Counters the metrics endpoint reads.
 #[derive(Debug, Default)]
@@ -298,21 +295,15 @@ impl Router for Picker {
         let scheduling = Instant::now();
         let scheduled =
             self.scheduler
-                .schedule(&req, &endpoints, &self.index, &self.inflight, &self.loads);
+                .route(&req, &endpoints, &self.index, &self.inflight, &self.loads);
         self.requests
             .on_scheduled(scheduled.is_ok(), scheduling.elapsed());
-        let decision = match scheduled {
-            Ok(d) => d,
+        let Routed { decision, token } = match scheduled {
+            Ok(r) => r,
             Err(e) => {
                 return Err(self.reject(Rejection::Unavailable(e.to_string()), &prepared.model));
             }
         };
-        let token = self.inflight.on_routed(
-            decision.primary.endpoint,
-            decision.prompt_blocks,
-            decision.uncached_blocks,
-            DEFAULT_DECODE_BLOCKS,
-        );
         let series = self.requests.series(&prepared.model, &prepared.served);
         series.on_routed(input.body.map_or(0, <[u8]>::len));
         let open = OpenRequest {

@@ -1,0 +1,222 @@
+//! The replay's router: the EPP's routing state and code, fed in virtual time.
+//!
+//! It owns what the EPP owns for one pool — the prefix index ([`KvIndex`]), the scheduler
+//! ([`Scheduler`]), the in-flight accounting ([`InflightTracker`]) and the engine load samples
+//! ([`LoadBook`]) — plus, per engine, the sidecar's event [`Normalizer`]. Requests are keyed
+//! with the EPP's key derivation ([`request_block_keys`], vLLM salt style, no salt) and placed
+//! with [`Scheduler::route`], the call the EPP's picker makes; nothing here ranks endpoints.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+
+use engine_model::{CacheEvent, EngineStats, Nanos};
+use kv_events::key::{SaltStyle, request_block_keys};
+use kv_events::{KvEvent, Normalizer, NormalizerConfig};
+use kv_index::{EndpointId, Holder, IndexConfig, KvIndex};
+use scheduler::{
+    Endpoint, EngineLoad, InflightToken, InflightTracker, LoadBook, Millis, ScheduleRequest,
+    Scheduler, SchedulerConfig,
+};
+
+use crate::translate::engine_event;
+
+/// Why the router could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    /// The scheduler configuration is invalid.
+    #[error("scheduler configuration: {0}")]
+    Scheduler(#[from] scheduler::ConfigError),
+    /// The index configuration is invalid.
+    #[error("index configuration: {0}")]
+    Index(#[from] kv_index::ConfigError),
+    /// More engines than endpoint ids.
+    #[error("{0} engines exceed the endpoint id range")]
+    TooManyEngines(usize),
+}
+
+/// Where one request went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    /// The engine's index.
+    pub engine: usize,
+    /// The in-flight handle to report the first token and the end with.
+    pub token: InflightToken,
+    /// Prompt blocks the router expected the engine to hold (GPU credit at decision time).
+    pub expected_hit_blocks: u32,
+}
+
+/// Counters of the router's work.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RouterStats {
+    /// Decisions made.
+    pub decisions: u64,
+    /// Decisions per [`scheduler::Reason`] label.
+    pub reasons: BTreeMap<&'static str, u64>,
+    /// Engine events the normaliser refused (the live sidecar would resynchronise).
+    pub normalize_errors: u64,
+    /// Engine events delivered to the index.
+    pub events_applied: u64,
+}
+
+/// The EPP's routing state over `n` engines (endpoint id = engine index).
+#[derive(Debug)]
+pub struct Router {
+    scheduler: Scheduler,
+    index: KvIndex,
+    inflight: InflightTracker,
+    loads: LoadBook,
+    endpoints: Vec<Endpoint>,
+    normalizers: Vec<Normalizer>,
+    model: String,
+    block_size: usize,
+    scratch: Vec<KvEvent>,
+    stats: RouterStats,
+}
+
+/// Virtual nanoseconds on the EPP's millisecond clock.
+pub fn millis(now: Nanos) -> Millis {
+    Millis(now / 1_000_000)
+}
+
+impl Router {
+    /// A router for `engines` engines of `block_size`-token blocks serving `model`.
+    pub fn new(
+        engines: usize,
+        model: &str,
+        block_size: u32,
+        config: SchedulerConfig,
+        seed: u64,
+    ) -> Result<Self, RouterError> {
+        let endpoints = (0..engines)
+            .map(|i| {
+                let raw = u32::try_from(i).map_err(|_| RouterError::TooManyEngines(engines))?;
+                let id = EndpointId::new(raw).map_err(|_| RouterError::TooManyEngines(engines))?;
+                let [_, _, hi, lo] = raw.to_be_bytes();
+                let addr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::new(10, 0, hi, lo), 8000));
+                Ok(Endpoint::new(id, addr))
+            })
+            .collect::<Result<Vec<_>, RouterError>>()?;
+        let normalizers = (0..engines)
+            .map(|_| Normalizer::new(NormalizerConfig::new(model, block_size)))
+            .collect();
+        Ok(Self {
+            scheduler: Scheduler::new(config, seed)?,
+            index: KvIndex::new(IndexConfig::default())?,
+            inflight: InflightTracker::new(),
+            loads: LoadBook::new(),
+            endpoints,
+            normalizers,
+            model: model.to_owned(),
+            block_size: block_size as usize,
+            scratch: Vec::new(),
+            stats: RouterStats::default(),
+        })
+    }
+
+    /// Keys `prompt` and places it, as the EPP does for a request naming the pool's model.
+    pub fn route(
+        &mut self,
+        prompt: &[u32],
+        now: Nanos,
+    ) -> Result<Placement, scheduler::ScheduleError> {
+        let keys = request_block_keys(
+            &self.model,
+            None,
+            SaltStyle::VllmExtraKey,
+            prompt,
+            self.block_size,
+        );
+        let req = ScheduleRequest {
+            keys: &keys,
+            prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
+            model: &self.model,
+            subset: None,
+            now: millis(now),
+        };
+        let routed = self.scheduler.route(
+            &req,
+            &self.endpoints,
+            &self.index,
+            &self.inflight,
+            &self.loads,
+        )?;
+        self.stats.decisions += 1;
+        *self
+            .stats
+            .reasons
+            .entry(routed.decision.reason.as_str())
+            .or_default() += 1;
+        let engine = routed.decision.primary.endpoint.get() as usize;
+        Ok(Placement {
+            engine,
+            token: routed.token,
+            expected_hit_blocks: routed
+                .decision
+                .prompt_blocks
+                .saturating_sub(routed.decision.uncached_blocks),
+        })
+    }
+
+    /// The request produced its first token (its first response byte reached the gateway).
+    pub fn first_token(&self, token: InflightToken) {
+        self.inflight.on_first_token(token);
+    }
+
+    /// The request's stream ended.
+    pub fn finished(&self, token: InflightToken) {
+        self.inflight.on_finished(token);
+    }
+
+    /// Delivers one engine step's cache events to the index through the engine's normaliser,
+    /// as the sidecar and the EPP's ingestion do.
+    pub fn deliver(&mut self, engine: usize, events: Vec<CacheEvent>) {
+        let (Some(norm), Some(endpoint)) =
+            (self.normalizers.get_mut(engine), self.endpoints.get(engine))
+        else {
+            return;
+        };
+        self.scratch.clear();
+        let block_size = u32::try_from(self.block_size).unwrap_or(u32::MAX);
+        for event in events {
+            if norm
+                .apply(&engine_event(event, block_size), &mut self.scratch)
+                .is_err()
+            {
+                self.stats.normalize_errors += 1;
+            }
+        }
+        self.stats.events_applied += self.scratch.len() as u64;
+        self.index
+            .apply(Holder::Endpoint(endpoint.id), &self.scratch);
+    }
+
+    /// Records an engine's load sample, as the EPP's scraper (or the sidecar's relay) does.
+    pub fn sample_load(&self, engine: usize, stats: &EngineStats, now: Nanos) {
+        if let Some(e) = self.endpoints.get(engine) {
+            self.loads.record(
+                e.id,
+                EngineLoad {
+                    waiting: stats.waiting,
+                    running: stats.running,
+                    kv_usage: stats.kv_usage,
+                    at: millis(now),
+                },
+            );
+        }
+    }
+
+    /// The EPP's periodic upkeep: expire speculative entries.
+    pub fn expire(&self, now: Nanos) {
+        self.scheduler.expire(&self.index, millis(now));
+    }
+
+    /// Requests in flight in the EPP's accounting.
+    pub fn inflight_len(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &RouterStats {
+        &self.stats
+    }
+}

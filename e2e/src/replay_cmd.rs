@@ -1,0 +1,409 @@
+//! `kvgate-bench replay`: a workload against N engine models in virtual time, once per (policy,
+//! load), routed by the EPP's own code (`kvgate-replay`); records as JSON lines, a summary table
+//! on stdout.
+
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Write as _};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use engine_model::{EngineStats, Preset};
+use replay::{MS, ReplayConfig, ReplayOutput, replay};
+use scheduler::{Policy, SchedulerConfig};
+use workload::{
+    DoksOptions, MooncakeOptions, RequestRecord, SharedPrefixOptions, Slo, Window, Workload,
+};
+
+/// Which workload to replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WorkloadKind {
+    /// Seed 001's multi-turn conversations, closed loop at each `--concurrency`.
+    Doks,
+    /// The Mooncake conversation trace, open loop at each `--speedup`.
+    Mooncake,
+    /// llm-d-style shared prefixes, Poisson arrivals at each `--qps`.
+    SharedPrefix,
+}
+
+/// `kvgate-bench replay` options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReplayArgs {
+    /// The workload.
+    #[arg(long, value_enum)]
+    pub workload: WorkloadKind,
+    /// Engines.
+    #[arg(long, default_value_t = 3)]
+    pub engines: usize,
+    /// Engine preset (`h200-llama70b-fp8`, `h100x4-llama70b-tp4`, `small`).
+    #[arg(long, default_value = "h200-llama70b-fp8")]
+    pub preset: Preset,
+    /// Policies, one run each (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "kv,round-robin")]
+    pub policy: Vec<Policy>,
+    /// Scheduler YAML (the EPP's `--scheduler-config`); `--policy` overrides its `policy`.
+    #[arg(long)]
+    pub scheduler_config: Option<PathBuf>,
+    /// `doks`: conversations in flight, one run each.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "60,80,100,120,140,160,180"
+    )]
+    pub concurrency: Vec<u32>,
+    /// `mooncake`: replay speed-ups, one run each.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub speedup: Vec<f64>,
+    /// `shared-prefix`: mean request rates, one run each.
+    #[arg(long, value_delimiter = ',', default_value = "10")]
+    pub qps: Vec<f64>,
+    /// `mooncake`: the trace file.
+    #[arg(
+        long,
+        default_value = "../shared/traces/mooncake_conversation_trace.jsonl"
+    )]
+    pub trace: PathBuf,
+    /// `mooncake`: keep only the first this many seconds of the trace (trace time).
+    #[arg(long)]
+    pub trace_seconds: Option<u64>,
+    /// Closed loop: the measured window starts after this warm-up (virtual seconds).
+    #[arg(long, default_value_t = 60)]
+    pub warmup_s: u64,
+    /// Closed loop: the measured window's length; no request is sent after warm-up + this.
+    #[arg(long, default_value_t = 300)]
+    pub duration_s: u64,
+    /// From the client's send to the engine (gateway, frontend, network), ms.
+    #[arg(long, default_value_t = 0)]
+    pub request_latency_ms: u64,
+    /// `doks`: think time before each follow-up turn (the seed's user is a small model writing
+    /// the next question), ms.
+    #[arg(long, default_value_t = 0)]
+    pub think_ms: u64,
+    /// From an engine step's end to its KV events reaching the index, ms.
+    #[arg(long, default_value_t = 5)]
+    pub event_delay_ms: u64,
+    /// Engine load samples' interval, ms (0: none; the EPP's own accounting only).
+    #[arg(long, default_value_t = 200)]
+    pub load_interval_ms: u64,
+    /// Seeds the workload generators and the scheduler.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Where to write the records (JSON lines).
+    #[arg(long, default_value = "replay-records.jsonl")]
+    pub out: PathBuf,
+}
+
+/// Why a replay command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayCmdError {
+    /// Inconsistent options.
+    #[error("{0}")]
+    Options(String),
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The trace could not be read.
+    #[error("trace: {0}")]
+    Trace(#[from] workload::MooncakeError),
+    /// The shared-prefix options are invalid.
+    #[error("shared-prefix: {0}")]
+    SharedPrefix(#[from] workload::SharedPrefixError),
+    /// The scheduler YAML is invalid.
+    #[error("scheduler config: {0}")]
+    Scheduler(#[from] scheduler::ConfigError),
+    /// The replay could not start.
+    #[error("replay: {0}")]
+    Replay(#[from] replay::ReplayError),
+}
+
+fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> ReplayCmdError + '_ {
+    move |source| ReplayCmdError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// One (policy, load) run's workload, label and measured window.
+struct Plan {
+    workload: Workload,
+    load: f64,
+    stop_at: Option<u64>,
+    window: Option<Window>,
+}
+
+fn plans(args: &ReplayArgs) -> Result<Vec<Plan>, ReplayCmdError> {
+    match args.workload {
+        WorkloadKind::Doks => {
+            let stop_s = args.warmup_s + args.duration_s;
+            args.concurrency
+                .iter()
+                .map(|&c| {
+                    if c == 0 {
+                        return Err(ReplayCmdError::Options("--concurrency must be ≥ 1".into()));
+                    }
+                    // A conversation lasts ≥ 3 turns of ≥ 10 s; twice what the window can use.
+                    let sessions = (c as usize) * (2 + stop_s as usize / 15);
+                    let mut workload = workload::doks(&DoksOptions {
+                        sessions,
+                        concurrency: c,
+                        seed: args.seed,
+                        ..DoksOptions::default()
+                    });
+                    for session in &mut workload.sessions {
+                        for turn in session.turns.iter_mut().skip(1) {
+                            turn.think = Duration::from_millis(args.think_ms);
+                        }
+                    }
+                    Ok(Plan {
+                        workload,
+                        load: f64::from(c),
+                        stop_at: Some(stop_s * 1_000 * MS),
+                        window: Some(Window {
+                            from_ms: args.warmup_s as f64 * 1e3,
+                            to_ms: stop_s as f64 * 1e3,
+                        }),
+                    })
+                })
+                .collect()
+        }
+        WorkloadKind::Mooncake => args
+            .speedup
+            .iter()
+            .map(|&speedup| {
+                let file = File::open(&args.trace).map_err(io(&args.trace))?;
+                let workload = workload::read_mooncake(
+                    BufReader::new(file),
+                    &MooncakeOptions {
+                        speedup,
+                        window: args
+                            .trace_seconds
+                            .map(|s| Duration::ZERO..Duration::from_secs(s)),
+                        ..MooncakeOptions::default()
+                    },
+                )?;
+                Ok(Plan {
+                    workload,
+                    load: speedup,
+                    stop_at: None,
+                    window: None,
+                })
+            })
+            .collect(),
+        WorkloadKind::SharedPrefix => args
+            .qps
+            .iter()
+            .map(|&qps| {
+                Ok(Plan {
+                    workload: workload::shared_prefix(&SharedPrefixOptions {
+                        qps,
+                        seed: args.seed,
+                        ..SharedPrefixOptions::default()
+                    })?,
+                    load: qps,
+                    stop_at: None,
+                    window: None,
+                })
+            })
+            .collect(),
+    }
+}
+
+/// The engines' own prefix-cache hit rate (vLLM's `prefix_cache_hits / queries`).
+fn engine_hit_rate(engines: &[EngineStats]) -> f64 {
+    let (h, q) = engines.iter().fold((0u64, 0u64), |(h, q), e| {
+        (h + e.prefix_cache_hits, q + e.prefix_cache_queries)
+    });
+    if q == 0 { 0.0 } else { h as f64 / q as f64 }
+}
+
+/// Runs every (policy, load) replay, writes the records and prints the table.
+pub fn run(args: &ReplayArgs) -> Result<(), ReplayCmdError> {
+    if args.engines == 0 {
+        return Err(ReplayCmdError::Options(
+            "--engines must be at least 1".into(),
+        ));
+    }
+    let base = match &args.scheduler_config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(io(path))?;
+            SchedulerConfig::from_yaml(&text)?
+        }
+        None => SchedulerConfig::default(),
+    };
+    let plans = plans(args)?;
+    let out_file = File::create(&args.out).map_err(io(&args.out))?;
+    let mut out = BufWriter::new(out_file);
+    let mut summaries = Vec::new();
+    let mut notes = Vec::new();
+    for plan in &plans {
+        for &policy in &args.policy {
+            let mut config = ReplayConfig::new(args.engines, args.preset.config());
+            config.run = policy.to_string();
+            config.load = Some(plan.load);
+            config.scheduler = SchedulerConfig {
+                policy,
+                ..base.clone()
+            };
+            config.seed = args.seed;
+            config.request_latency = args.request_latency_ms * MS;
+            config.event_delay = args.event_delay_ms * MS;
+            config.load_interval = args.load_interval_ms * MS;
+            config.stop_at = plan.stop_at;
+            let started = Instant::now();
+            let result = replay(&plan.workload, config)?;
+            let wall = started.elapsed();
+            write_records(&mut out, &result.records).map_err(io(&args.out))?;
+            let window = plan
+                .window
+                .unwrap_or_else(|| Window::covering(&result.records));
+            summaries.push(workload::summarize(&result.records, window, Slo::default()));
+            notes.push(note(policy, plan.load, &result, wall));
+        }
+    }
+    out.flush().map_err(io(&args.out))?;
+    let mut stdout = std::io::stdout().lock();
+    let table = workload::render_table(&summaries);
+    let text = format!(
+        "{table}\n{}\nrecords: {}\n",
+        notes.join("\n"),
+        args.out.display()
+    );
+    stdout
+        .write_all(text.as_bytes())
+        .map_err(io(std::path::Path::new("stdout")))?;
+    Ok(())
+}
+
+fn write_records(out: &mut impl std::io::Write, records: &[RequestRecord]) -> std::io::Result<()> {
+    for r in records {
+        serde_json::to_writer(&mut *out, r)?;
+        out.write_all(b"\n")?;
+    }
+    Ok(())
+}
+
+fn note(policy: Policy, load: f64, r: &ReplayOutput, wall: Duration) -> String {
+    let preemptions: u64 = r.engines.iter().map(|e| e.num_preemptions).sum();
+    let reasons: Vec<String> = r
+        .router
+        .reasons
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    format!(
+        "{policy} @ {load}: engine prefix hit {:.1}%, {} requests, {} steps, {} events, \
+         virtual {:.0} s, wall {:.2} s, preemptions {preemptions}, normalise errors {}, \
+         reasons [{}]",
+        100.0 * engine_hit_rate(&r.engines),
+        r.records.len(),
+        r.steps,
+        r.events,
+        r.end as f64 / 1e9,
+        wall.as_secs_f64(),
+        r.router.normalize_errors,
+        reasons.join(" "),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::panic
+    )]
+    use super::*;
+    use clap::Parser as _;
+
+    fn args(extra: &[&str]) -> ReplayArgs {
+        let mut argv = vec!["kvgate-bench", "replay"];
+        argv.extend_from_slice(extra);
+        match crate::bench::Args::parse_from(argv).command {
+            crate::bench::Command::Replay(a) => *a,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn doks_plans_follow_the_levels_think_time_and_window() {
+        let a = args(&[
+            "--workload",
+            "doks",
+            "--concurrency",
+            "2,3",
+            "--think-ms",
+            "1500",
+            "--warmup-s",
+            "10",
+            "--duration-s",
+            "20",
+            "--policy",
+            "kv,round-robin",
+        ]);
+        assert_eq!(a.policy, vec![Policy::Kv, Policy::RoundRobin]);
+        let p = plans(&a).unwrap();
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[1].load, 3.0);
+        assert_eq!(p[0].stop_at, Some(30 * 1_000 * MS));
+        let w = p[0].window.unwrap();
+        assert_eq!((w.from_ms, w.to_ms), (10_000.0, 30_000.0));
+        for s in &p[0].workload.sessions {
+            assert_eq!(s.turns[0].think, Duration::ZERO);
+            assert!(
+                s.turns[1..]
+                    .iter()
+                    .all(|t| t.think == Duration::from_millis(1500))
+            );
+        }
+        let zero = args(&["--workload", "doks", "--concurrency", "0"]);
+        assert!(matches!(plans(&zero), Err(ReplayCmdError::Options(_))));
+    }
+
+    #[test]
+    fn a_tiny_shared_prefix_run_writes_one_record_per_request() {
+        let dir = std::env::temp_dir().join(format!("kvgate-replay-cmd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("records.jsonl");
+        let mut a = args(&[
+            "--workload",
+            "shared-prefix",
+            "--preset",
+            "small",
+            "--engines",
+            "2",
+            "--qps",
+            "50",
+            "--policy",
+            "kv,round-robin",
+        ]);
+        a.out = out.clone();
+        run(&a).unwrap();
+        let text = std::fs::read_to_string(&out).unwrap();
+        let records: Vec<RequestRecord> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let per_run = SharedPrefixOptions::default().groups
+            * SharedPrefixOptions::default().users_per_group
+            * SharedPrefixOptions::default().questions_per_user;
+        assert_eq!(records.len(), 2 * per_run as usize);
+        assert!(records.iter().all(|r| r.load == Some(50.0)));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_engine_hit_rate_is_hits_over_queries() {
+        let e = |h, q| EngineStats {
+            prefix_cache_hits: h,
+            prefix_cache_queries: q,
+            ..EngineStats::default()
+        };
+        assert_eq!(engine_hit_rate(&[e(1, 4), e(3, 4)]), 0.5);
+        assert_eq!(engine_hit_rate(&[]), 0.0);
+    }
+}
