@@ -116,8 +116,20 @@ fn load_template(extra: &[String]) -> Result<LoadArgs, CompareError> {
 }
 
 /// The load options of one run: `template` driven at `level` under `policy`.
-fn run_args(template: &LoadArgs, url: &str, policy: Policy, level: f64, out: &Path) -> LoadArgs {
+/// `time_scale`, when given, replaces the load options' (the stack's engines run that much faster
+/// than their model, and the load generator paces and records in model time).
+fn run_args(
+    template: &LoadArgs,
+    stack: (&str, Option<f64>),
+    policy: Policy,
+    level: f64,
+    out: &Path,
+) -> LoadArgs {
+    let (url, time_scale) = stack;
     let mut a = template.clone();
+    if let Some(scale) = time_scale {
+        a.time_scale = scale;
+    }
     a.url = url.to_owned();
     a.run = policy.to_string();
     a.load = Some(level);
@@ -133,6 +145,13 @@ fn run_args(template: &LoadArgs, url: &str, policy: Policy, level: f64, out: &Pa
         a.speedup = level;
     }
     a
+}
+
+/// Whether the load options choose their own `--time-scale`.
+fn sets_time_scale(extra: &[String]) -> bool {
+    extra
+        .iter()
+        .any(|a| a == "--time-scale" || a.starts_with("--time-scale="))
 }
 
 /// File name of a run's records.
@@ -242,7 +261,9 @@ fn sweep(
             let path = out.join(records_name(*policy, *level));
             let before = engine_cache_counters(stack);
             tracing::info!(%policy, load = level, records = %path.display(), "run starting");
-            crate::load::run(run_args(template, &stack.base_url(), *policy, *level, &path))?;
+            let scale = (!sets_time_scale(&args.load_args)).then_some(stack.config().time_scale);
+            let url = stack.base_url();
+            crate::load::run(run_args(template, (&url, scale), *policy, *level, &path))?;
             stack.check()?;
             let after = engine_cache_counters(stack);
             let queries = after.1 - before.1;
@@ -283,21 +304,44 @@ mod tests {
     #[test]
     fn load_levels_drive_what_the_workload_is_paced_by() {
         let doks = load_template(&strings(&["--workload", "doks", "--duration", "30"])).unwrap();
-        let a = run_args(&doks, "http://x", Policy::Kv, 120.0, Path::new("a"));
-        assert_eq!(a.concurrency, Some(120));
-        assert_eq!((a.run.as_str(), a.load, a.url.as_str()), ("kv", Some(120.0), "http://x"));
+        let a = run_args(
+            &doks,
+            ("http://x", Some(10.0)),
+            Policy::Kv,
+            120.0,
+            Path::new("a"),
+        );
+        assert_eq!((a.concurrency, a.time_scale), (Some(120), 10.0));
+        assert_eq!(
+            (a.run.as_str(), a.load, a.url.as_str()),
+            ("kv", Some(120.0), "http://x")
+        );
 
         let sp = load_template(&strings(&["--workload", "shared-prefix"])).unwrap();
-        let b = run_args(&sp, "http://x", Policy::RoundRobin, 40.0, Path::new("b"));
-        assert_eq!((b.qps, b.concurrency), (40.0, None));
+        let b = run_args(
+            &sp,
+            ("http://x", None),
+            Policy::RoundRobin,
+            40.0,
+            Path::new("b"),
+        );
+        assert_eq!((b.qps, b.concurrency, b.time_scale), (40.0, None, 1.0));
+        assert!(sets_time_scale(&strings(&["--time-scale=5"])));
+        assert!(!sets_time_scale(&strings(&["--qps", "5"])));
 
         let mc = load_template(&strings(&["--workload", "mooncake"])).unwrap();
-        let c = run_args(&mc, "http://x", Policy::Kv, 4.0, Path::new("c"));
+        let c = run_args(&mc, ("http://x", None), Policy::Kv, 4.0, Path::new("c"));
         assert_eq!((c.speedup, c.concurrency), (4.0, None));
 
-        let closed = load_template(&strings(&["--workload", "mooncake", "--concurrency", "8"]))
-            .unwrap();
-        let d = run_args(&closed, "http://x", Policy::Kv, 16.0, Path::new("d"));
+        let closed =
+            load_template(&strings(&["--workload", "mooncake", "--concurrency", "8"])).unwrap();
+        let d = run_args(
+            &closed,
+            ("http://x", None),
+            Policy::Kv,
+            16.0,
+            Path::new("d"),
+        );
         assert_eq!((d.concurrency, d.speedup), (Some(16), 1.0));
     }
 
@@ -312,7 +356,10 @@ mod tests {
 
     #[test]
     fn record_files_are_named_by_policy_and_load() {
-        assert_eq!(records_name(Policy::RoundRobin, 60.0), "round-robin-60.jsonl");
+        assert_eq!(
+            records_name(Policy::RoundRobin, 60.0),
+            "round-robin-60.jsonl"
+        );
         assert_eq!(records_name(Policy::Kv, 2.5), "kv-2.5.jsonl");
     }
 }

@@ -80,7 +80,12 @@ impl FromStr for Policy {
 pub struct Weights {
     /// Per prompt block left to compute after the cache credit.
     pub overlap: f64,
-    /// Per block held by the candidate's decoding requests.
+    /// Per block held by the candidate's decoding requests. Default 0.02, not Dynamo's 1: with
+    /// long contexts the in-flight sum (thousands of blocks) swamps the blocks a cache hit saves
+    /// (tens to a hundred), and `kv` degenerates into least-load. At 0.02 the term separates
+    /// candidates of equal overlap and bounded load caps imbalance; measured with the
+    /// discrete-event replay on seed 001's workload and the Mooncake trace
+    /// (`docs/benchmarks.md`, "Discrete-event replay").
     pub decode: f64,
     /// Per block queued for prefill on the candidate.
     pub queue: f64,
@@ -90,7 +95,7 @@ impl Default for Weights {
     fn default() -> Self {
         Self {
             overlap: 1.0,
-            decode: 1.0,
+            decode: 0.02,
             queue: 1.0,
         }
     }

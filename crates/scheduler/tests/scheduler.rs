@@ -117,7 +117,10 @@ fn load_outweighs_a_short_hit() {
     let inflight = InflightTracker::new();
     let tok = inflight.on_routed(id(0), 30, 30, 10);
     inflight.on_first_token(tok);
-    let d = scheduler(SchedulerConfig::default())
+    // Dynamo's weighting: every decoding block costs as much as a block to prefill.
+    let mut c = SchedulerConfig::default();
+    c.weights.decode = 1.0;
+    let d = scheduler(c)
         .schedule(&request(&keys, 0), &eps, &idx, &inflight, &LoadBook::new())
         .unwrap();
     // Endpoint 0: 15 uncached + 40 decoding; endpoint 1: 20 uncached.
