@@ -3,16 +3,37 @@
 #   1. the local stack's demo: `kvgate-bench up` (NATS, three kvgate-sim engines behind
 #      kvgate-sidecars, kvgate-epp, a real Envoy), a shared-prefix conversation through Envoy that
 #      sticks to the engine holding its prefix with cached tokens, then Ctrl-C (e2e/stack_demo.sh);
-#   2. the simulator's throughput benchmark (e2e/bench/sim_throughput.sh, needs wrk);
-#   3. Envoy direct vs Envoy+EPP latency and EPP CPU per request (e2e/bench/envoy_overhead.sh);
-#   4. the EPP decision cost at 8k tokens (cargo bench -p kvgate-epp --bench decision -- 8k);
-#   5. the KV-event and prefix-index benchmarks in release.
+#   2. the routing benchmark, live: `kvgate-bench compare` on one stack of three engines, a
+#      shared-prefix workload at two rates for kv, round-robin, least-load and prefix-only;
+#   3. the routing benchmark in virtual time: `kvgate-bench replay` of seed 001's workload on
+#      three H200 engines for every policy at concurrency 60-180 (the seed's round-robin columns
+#      are its fidelity check, docs/benchmarks.md), then the Mooncake trace's first 10 minutes on
+#      16 engines; tables on stdout, plots under $KVGATE_MAIN_OUT (default /tmp/kvgate-main);
+#   4. the simulator's throughput benchmark (e2e/bench/sim_throughput.sh, needs wrk);
+#   5. Envoy direct vs Envoy+EPP latency and EPP CPU per request (e2e/bench/envoy_overhead.sh);
+#   6. the EPP decision cost at 8k tokens (cargo bench -p kvgate-epp --bench decision -- 8k);
+#   7. the KV-event and prefix-index benchmarks in release.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 scripts/bootstrap.sh
 echo "== local stack demo (kvgate-bench up)"
 e2e/stack_demo.sh --release
+bench="${CARGO_TARGET_DIR:-$root/target}/release/kvgate-bench"
+out=${KVGATE_MAIN_OUT:-/tmp/kvgate-main}
+rm -rf "$out"; mkdir -p "$out"
+echo "== live routing comparison (kvgate-bench compare; records and plots in $out/compare)"
+"$bench" compare --engines 3 --log-level warn --run-dir "$out/stack" --out "$out/compare" \
+  --policies kv,round-robin,least-load,prefix-only --loads 4,8 \
+  -- --workload shared-prefix --duration 20 --groups 4 --users-per-group 8
+echo "== discrete-event replay: seed 001's workload, every policy (plots in $out/replay-doks)"
+"$bench" replay --workload doks --engines 3 --preset h200-llama70b-fp8 \
+  --policy round-robin,kv,prefix-only,least-load,random --concurrency 60,80,100,120,140,160,180 \
+  --request-latency-ms 200 --think-ms 3000 --out "$out/replay-doks.jsonl"
+"$bench" report --in "$out/replay-doks.jsonl" --out "$out/replay-doks" > /dev/null
+echo "== discrete-event replay: the Mooncake trace's first 10 minutes on 16 engines at 2.5x"
+"$bench" replay --workload mooncake --engines 16 --preset small --policy round-robin,kv,prefix-only \
+  --speedup 2.5 --trace-seconds 600 --out "$out/replay-mooncake.jsonl"
 if ! command -v wrk >/dev/null 2>&1; then
   echo "main: installing wrk for the simulator benchmark"
   if [ "$(id -u)" -eq 0 ]; then apt-get install -y -qq wrk >/dev/null; else sudo apt-get install -y -qq wrk >/dev/null; fi
