@@ -201,12 +201,13 @@ fn a_nats_outage_degrades_to_load_routing_and_the_index_recovers() {
     nats_outage(false);
 }
 
-/// Known failure, kept visible: right after a NATS reconnect (every sidecar reconnected, every
-/// source resynchronised by snapshot), the events of a new prefix sometimes never reach the EPP
-/// (about one run in three), so the prefix does not stick. Run with
+/// Known failure, kept visible: after the outage the index is back in sync and the new prefix's
+/// events do arrive, but a follow-up sent right after the previous response is sometimes (about
+/// one run in three) sent elsewhere with `reason="bounded-load-override"`. An engine load sample
+/// taken while the previous request ran still counts it (docs/epp.md, "Known issues"). Run with
 /// `cargo test -p kvgate-e2e --test stack -- --ignored`.
 #[test]
-#[ignore = "known: new events after a NATS reconnect sometimes never arrive (about 1 run in 3)"]
+#[ignore = "known: a load sample taken during the previous request trips bounded load (docs/epp.md, Known issues)"]
 fn after_a_nats_outage_a_new_prefix_sticks_again() {
     nats_outage(true);
 }
