@@ -1,5 +1,12 @@
 //! Engine-reported load: the latest sample per endpoint (scraped from the engine's metrics or
 //! received on `kvgate.load.…`), ignored once older than the configured age.
+//!
+//! A sample is a picture of the past: a request that was running when it was taken may have
+//! finished since. The book counts the completions the EPP observes on each endpoint after its
+//! latest sample ([`LoadBook::note_finished`]) and reads the sample with that many fewer
+//! requests (running first, then waiting), so a sample taken during the previous request does
+//! not make a nearly idle endpoint look busy until the next one arrives (without this, bounded
+//! load sent back-to-back requests of one conversation away from the pod holding its prefix).
 
 use std::collections::HashMap;
 use std::sync::{PoisonError, RwLock, RwLockReadGuard};
@@ -34,13 +41,41 @@ impl EngineLoad {
     pub const fn is_fresh(&self, now: Millis, max_age: Millis) -> bool {
         now.0.saturating_sub(self.at.0) <= max_age.0
     }
+
+    /// The sample with `finished` of its requests gone: running first, then waiting.
+    #[must_use]
+    pub const fn without_finished(mut self, finished: u32) -> Self {
+        let from_running = if finished < self.running {
+            finished
+        } else {
+            self.running
+        };
+        self.running -= from_running;
+        self.waiting = self.waiting.saturating_sub(finished - from_running);
+        self
+    }
+}
+
+/// An endpoint's latest sample and the completions seen since it was recorded.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    sample: EngineLoad,
+    finished_since: u32,
+}
+
+impl Slot {
+    fn current(&self, now: Millis, max_age: Millis) -> Option<EngineLoad> {
+        self.sample
+            .is_fresh(now, max_age)
+            .then(|| self.sample.without_finished(self.finished_since))
+    }
 }
 
 /// The latest engine sample per endpoint, shared between the ingestion side (writes) and
 /// scheduling decisions (reads, one lock hold per decision).
 #[derive(Debug, Default)]
 pub struct LoadBook {
-    samples: RwLock<HashMap<EndpointId, EngineLoad>>,
+    samples: RwLock<HashMap<EndpointId, Slot>>,
 }
 
 impl LoadBook {
@@ -49,18 +84,32 @@ impl LoadBook {
         Self::default()
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, HashMap<EndpointId, EngineLoad>> {
+    fn read(&self) -> RwLockReadGuard<'_, HashMap<EndpointId, Slot>> {
         self.samples.read().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Records `sample` for `endpoint` unless a newer one is already kept (samples may arrive
-    /// out of order). `kv_usage` is clamped to 0..=1.
+    /// out of order); a recorded sample starts a new count of completions. `kv_usage` is
+    /// clamped to 0..=1.
     pub fn record(&self, endpoint: EndpointId, sample: EngineLoad) {
         let sample = sample.sanitized();
+        let fresh = Slot {
+            sample,
+            finished_since: 0,
+        };
         let mut samples = self.samples.write().unwrap_or_else(PoisonError::into_inner);
-        let slot = samples.entry(endpoint).or_insert(sample);
-        if sample.at >= slot.at {
-            *slot = sample;
+        let slot = samples.entry(endpoint).or_insert(fresh);
+        if sample.at >= slot.sample.at {
+            *slot = fresh;
+        }
+    }
+
+    /// The EPP saw a request on `endpoint` finish: its latest sample reads one request fewer
+    /// until the next sample is recorded. Nothing happens for an endpoint without a sample.
+    pub fn note_finished(&self, endpoint: EndpointId) {
+        let mut samples = self.samples.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(slot) = samples.get_mut(&endpoint) {
+            slot.finished_since = slot.finished_since.saturating_add(1);
         }
     }
 
@@ -72,12 +121,12 @@ impl LoadBook {
             .remove(&endpoint);
     }
 
-    /// `endpoint`'s latest sample if it is at most `max_age` old at `now`.
+    /// `endpoint`'s latest sample if it is at most `max_age` old at `now`, less the requests
+    /// seen finishing since it was recorded.
     pub fn fresh(&self, endpoint: EndpointId, now: Millis, max_age: Millis) -> Option<EngineLoad> {
         self.read()
             .get(&endpoint)
-            .copied()
-            .filter(|s| s.is_fresh(now, max_age))
+            .and_then(|s| s.current(now, max_age))
     }
 
     /// Appends [`LoadBook::fresh`] of each of `endpoints` (in order) to `out`, under one lock
@@ -93,7 +142,7 @@ impl LoadBook {
         out.extend(
             endpoints
                 .iter()
-                .map(|e| samples.get(e).copied().filter(|s| s.is_fresh(now, max_age))),
+                .map(|e| samples.get(e).and_then(|s| s.current(now, max_age))),
         );
     }
 
@@ -110,7 +159,68 @@ impl LoadBook {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn completions_after_a_sample_lower_it_until_the_next_sample() {
+        let book = LoadBook::new();
+        let age = Millis(1_000);
+        book.note_finished(ep(1));
+        assert!(
+            book.fresh(ep(1), Millis(0), age).is_none(),
+            "no sample, nothing to lower"
+        );
+        book.record(
+            ep(1),
+            EngineLoad {
+                waiting: 1,
+                running: 1,
+                kv_usage: 0.1,
+                at: Millis(10),
+            },
+        );
+        book.note_finished(ep(1));
+        let s = book.fresh(ep(1), Millis(20), age).unwrap();
+        assert_eq!((s.running, s.waiting), (0, 1), "running first");
+        book.note_finished(ep(1));
+        book.note_finished(ep(1));
+        let s = book.fresh(ep(1), Millis(20), age).unwrap();
+        assert_eq!((s.running, s.waiting), (0, 0), "never below zero");
+        book.record(ep(1), sample(2, 30));
+        let s = book.fresh(ep(1), Millis(40), age).unwrap();
+        assert_eq!((s.running, s.waiting), (1, 2), "a new sample starts over");
+    }
+
+    proptest! {
+        /// Against a model: the read is the last recorded sample's running + waiting minus the
+        /// completions noted after it, floored at zero; older samples arriving late are ignored.
+        #[test]
+        fn reads_match_a_model(ops in proptest::collection::vec((any::<bool>(), 0u32..4, 0u32..4, 0u64..20), 0..60)) {
+            let book = LoadBook::new();
+            let mut model: Option<(u64, u32, u32, u32)> = None; // at, running, waiting, finished
+            for (is_record, running, waiting, at) in ops {
+                if is_record {
+                    book.record(ep(1), EngineLoad { waiting, running, kv_usage: 0.0, at: Millis(at) });
+                    if model.is_none_or(|(last, ..)| at >= last) {
+                        model = Some((at, running, waiting, 0));
+                    }
+                } else {
+                    book.note_finished(ep(1));
+                    if let Some(m) = &mut model {
+                        m.3 += 1;
+                    }
+                }
+                let got = book.fresh(ep(1), Millis(0), Millis(u64::MAX)).map(|s| (s.running, s.waiting));
+                let want = model.map(|(_, r, w, f)| {
+                    let r2 = r.saturating_sub(f);
+                    (r2, w.saturating_sub(f - (r - r2)))
+                });
+                prop_assert_eq!(got, want);
+            }
+        }
+    }
 
     fn ep(i: u32) -> EndpointId {
         EndpointId::new(i).unwrap()

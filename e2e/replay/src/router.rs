@@ -164,7 +164,9 @@ impl Router {
 
     /// The request's stream ended.
     pub fn finished(&self, token: InflightToken) {
-        self.inflight.on_finished(token);
+        if self.inflight.on_finished(token) {
+            self.loads.note_finished(token.endpoint());
+        }
     }
 
     /// Delivers one engine step's cache events to the index through the engine's normaliser,

@@ -409,7 +409,9 @@ impl Router for Picker {
                     return;
                 };
                 drop(tickets);
-                self.inflight.on_finished(open.token);
+                if self.inflight.on_finished(open.token) {
+                    self.loads.note_finished(open.token.endpoint());
+                }
                 if event == ResponseEvent::End {
                     open.series.on_completed(&Completed {
                         duration: open.routed.elapsed(),
