@@ -181,7 +181,7 @@ impl Router {
         let block_size = u32::try_from(self.block_size).unwrap_or(u32::MAX);
         for event in events {
             if norm
-                .apply(&engine_event(event, block_size), &mut self.scratch)
+                .apply(&engine_event(&event, block_size, None), &mut self.scratch)
                 .is_err()
             {
                 self.stats.normalize_errors += 1;

@@ -1,34 +1,49 @@
-//! Engine-model cache events → the engine wire events the sidecar's normaliser reads.
-//!
-//! The live path is engine model → `kvgate-sim`'s ZMQ `KVEventBatch` → sidecar
-//! [`Normalizer`](kv_events::Normalizer) → kvgate events on NATS → the EPP's index. The replay
-//! skips only the encoding and the transports: it builds the same [`EngineEvent`]s the sim
-//! encodes (GPU medium, the engine's own hashes and parent, the blocks' token ids; requests carry
-//! no cache salt) and feeds them to the same normaliser.
+//! Engine-model cache events → the engine wire events vLLM publishes, one conversion for both
+//! users: `kvgate-sim` encodes them into ZMQ `KVEventBatch`es (its `BatchEncoder`), and the
+//! replay feeds them straight to the sidecar's [`Normalizer`](kv_events::Normalizer), skipping
+//! only the encoding and the transports of the live path (engine model → sim → ZMQ → sidecar
+//! → NATS → the EPP's index).
 
 use engine_model::CacheEvent;
-use kv_events::engine::{BlockRemoved, BlockStored, EngineEvent, EngineHash};
+use kv_events::engine::{BlockRemoved, BlockStored, EngineEvent, EngineHash, RawValue};
 use kv_events::tier::Medium;
 
-/// The engine event the simulator would publish for `event`, blocks of `block_size` tokens.
-pub fn engine_event(event: CacheEvent, block_size: u32) -> EngineEvent {
+/// The event vLLM 0.32 would publish for `event`, blocks of `block_size` tokens: GPU medium,
+/// group 0, full attention, the engine's own hashes and parent, the blocks' token ids. `salt` is
+/// the request's cache salt; vLLM writes it as the first block's `extra_keys` entry when the
+/// stored run starts at the request's block 0.
+pub fn engine_event(event: &CacheEvent, block_size: u32, salt: Option<&str>) -> EngineEvent {
     match event {
         CacheEvent::Stored {
             hashes,
             parent,
             token_ids,
+            first_block_index,
             ..
-        } => EngineEvent::BlockStored(BlockStored {
-            block_hashes: hashes.into_iter().map(EngineHash).collect(),
-            parent_block_hash: parent.map(EngineHash),
-            token_ids,
-            block_size,
-            medium: Some(Medium::Gpu),
-            group_idx: Some(0),
-            ..BlockStored::default()
-        }),
+        } => {
+            let salt = salt.filter(|_| *first_block_index == 0);
+            let extra_keys = (0..hashes.len())
+                .map(|i| match (salt, i) {
+                    (Some(s), 0) => Some(RawValue(kv_events::key::vllm_salt_extra_key(s))),
+                    _ => None,
+                })
+                .collect();
+            EngineEvent::BlockStored(BlockStored {
+                block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
+                parent_block_hash: parent.map(EngineHash),
+                token_ids: token_ids.clone(),
+                block_size,
+                lora_id: None,
+                medium: Some(Medium::Gpu),
+                lora_name: None,
+                extra_keys: Some(extra_keys),
+                group_idx: Some(0),
+                kv_cache_spec_kind: Some("full_attention".into()),
+                ..BlockStored::default()
+            })
+        }
         CacheEvent::Removed { hashes } => EngineEvent::BlockRemoved(BlockRemoved {
-            block_hashes: hashes.into_iter().map(EngineHash).collect(),
+            block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
             medium: Some(Medium::Gpu),
             group_idx: Some(0),
         }),
@@ -68,7 +83,7 @@ mod tests {
             first_block_index: 2,
         };
         for e in [first, second] {
-            norm.apply(&engine_event(e, 16), &mut out).unwrap();
+            norm.apply(&engine_event(&e, 16, None), &mut out).unwrap();
         }
         let keys: Vec<_> = out
             .iter()
@@ -83,7 +98,7 @@ mod tests {
         );
         out.clear();
         norm.apply(
-            &engine_event(CacheEvent::Removed { hashes: vec![14] }, 16),
+            &engine_event(&CacheEvent::Removed { hashes: vec![14] }, 16, None),
             &mut out,
         )
         .unwrap();
@@ -91,7 +106,7 @@ mod tests {
             matches!(&out[..], [KvEvent::Removed { keys, .. }] if keys[0] == keys_last(&tokens))
         );
         out.clear();
-        norm.apply(&engine_event(CacheEvent::Cleared, 16), &mut out)
+        norm.apply(&engine_event(&CacheEvent::Cleared, 16, None), &mut out)
             .unwrap();
         assert!(matches!(&out[..], [KvEvent::Cleared { tier: None }]));
     }
