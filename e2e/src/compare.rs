@@ -162,7 +162,7 @@ fn records_name(policy: Policy, level: f64) -> String {
 /// The engines' summed prefix-cache counters (tokens): (hits, queries).
 fn engine_cache_counters(stack: &Stack) -> (f64, f64) {
     let (mut hits, mut queries) = (0.0, 0.0);
-    for i in 0..stack.config().engines {
+    for i in 0..stack.config().engine_processes() {
         if let Ok(page) = stack.engine_metrics(i) {
             hits += metric_sum(&page, "vllm:prefix_cache_hits_total").unwrap_or(0.0);
             queries += metric_sum(&page, "vllm:prefix_cache_queries_total").unwrap_or(0.0);
@@ -174,15 +174,11 @@ fn engine_cache_counters(stack: &Stack) -> (f64, f64) {
 /// Clears every engine's prefix cache (vLLM's `POST /reset_prefix_cache`), retrying briefly
 /// while requests still hold blocks (409).
 fn reset_caches(stack: &Stack) -> Result<(), CompareError> {
-    for (i, engine) in stack.ports().engines.iter().enumerate() {
+    for i in 0..stack.config().engine_processes() {
+        let port = stack.ports().engine_http(i).unwrap_or(0);
         let mut last = None;
         for _ in 0..50 {
-            match http_request(
-                engine.http,
-                "POST",
-                "/reset_prefix_cache",
-                Duration::from_secs(2),
-            ) {
+            match http_request(port, "POST", "/reset_prefix_cache", Duration::from_secs(2)) {
                 Ok((200, _)) => {
                     last = None;
                     break;

@@ -428,3 +428,86 @@ fn conformance_the_gateway_follows_the_list_and_subset_hints() {
     );
     finish(stack);
 }
+
+/// GIE's data-parallel conformance assertion, against the local Envoy: a pod serving two ranks on
+/// two target ports is two endpoints; the gateway sends each request to the port the EPP chose,
+/// and that port's rank answers. KV events attribute a prefix to its rank, so it sticks to that
+/// port, with cached tokens.
+#[test]
+fn conformance_data_parallel_ports_are_separate_endpoints() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let stack = start(StackConfig {
+        engines: 2,
+        dp_ranks: 2,
+        ..StackConfig::default()
+    });
+    let listed = stack.endpoints();
+    assert_eq!(listed.len(), 4, "{listed:?}");
+    // Endpoint k is pod k / 2, rank k % 2: a subset naming it reaches exactly that rank.
+    for (k, endpoint) in listed.iter().enumerate() {
+        let r = send(
+            &stack,
+            &chat(&format!("rank pin {k}"), "hi", 2, false),
+            &[("x-gateway-destination-endpoint-subset", endpoint.as_str())],
+        );
+        assert!(r.ok(), "{r:?}");
+        assert_eq!(r.upstream(), endpoint);
+        assert_eq!(r.pod(), Component::pod_name(k / 2), "{r:?}");
+        assert_eq!(r.dp_rank(), (k % 2).to_string(), "{r:?}");
+    }
+    // Unpinned requests follow the EPP's pick to the rank behind that port, on every port.
+    let mut used = std::collections::BTreeSet::new();
+    for i in 0..16 {
+        let r = send(
+            &stack,
+            &chat(&format!("spread {i}"), "hello", 2, false),
+            &[],
+        );
+        assert!(r.ok(), "{r:?}");
+        assert_eq!(r.upstream(), r.picked()[0], "Envoy left the EPP's choice");
+        let k = listed.iter().position(|e| e == r.upstream()).unwrap();
+        assert_eq!(
+            (r.pod(), r.dp_rank()),
+            (
+                Component::pod_name(k / 2).as_str(),
+                (k % 2).to_string().as_str()
+            )
+        );
+        used.insert(k);
+    }
+    assert!(used.len() >= 3, "requests used only {used:?}");
+    // A prefix first served by rank 1 of a pod sticks to that rank's port: its events name it.
+    let system = long_system("dp");
+    let first = send(
+        &stack,
+        &chat(&system, "question 0", 4, false),
+        &[("x-gateway-destination-endpoint-subset", listed[3].as_str())],
+    );
+    assert!(first.ok(), "{first:?}");
+    std::thread::sleep(Duration::from_millis(300));
+    for i in 1..4 {
+        let r = send(
+            &stack,
+            &chat(&system, &format!("question {i}"), 4, false),
+            &[],
+        );
+        assert!(r.ok(), "{r:?}");
+        assert_eq!(
+            r.upstream(),
+            listed[3],
+            "request {i} left the rank holding the prefix"
+        );
+        assert_eq!(r.dp_rank(), "1");
+        assert!(
+            r.cached_tokens() >= 256,
+            "request {i}: {} cached",
+            r.cached_tokens()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        epp_metric(&stack, "kvgate_epp_nats_unknown_source_messages_total"),
+        0.0
+    );
+    finish(stack);
+}

@@ -31,7 +31,9 @@ pub struct Args {
     /// The engine's replay ROUTER endpoint (rank 0; rank r uses port + r).
     #[arg(long, default_value = "tcp://127.0.0.1:5558")]
     pub replay_endpoint: String,
-    /// Data-parallel ranks served by the engine.
+    /// Data-parallel ranks served by the engine. Rank r's KV events come from the event and
+    /// replay ports + r, its API from the engine port + r, and the proxy serves it on
+    /// `--proxy-port` + r (the InferencePool's r-th target port). At most 8, as GIE's targetPorts.
     #[arg(long, default_value_t = 1)]
     pub dp_size: u32,
     /// Served model name (the key seed).
@@ -87,17 +89,31 @@ pub struct Args {
     pub load_interval_ms: u64,
 }
 
+/// The most data-parallel ranks one sidecar serves (GIE's limit on an InferencePool's target ports).
+pub(crate) const MAX_DP_SIZE: u32 = 8;
+
 impl Args {
     /// Checks what clap cannot.
     pub fn validate(&self) -> Result<(), String> {
         if self.block_size == 0 {
             return Err("--block-size must be positive".into());
         }
-        if self.dp_size == 0 {
-            return Err("--dp-size must be at least 1".into());
+        if self.dp_size == 0 || self.dp_size > MAX_DP_SIZE {
+            return Err(format!("--dp-size must be in 1..={MAX_DP_SIZE}"));
         }
         self.proxy.validate()?;
-        crate::proxy::engine_authority(&self.engine_url)?;
+        let engine = crate::proxy::engine_authority(&self.engine_url)?;
+        crate::proxy::rank_authorities(&engine, self.dp_size)?;
+        let ports = u32::from(self.proxy_port)..u32::from(self.proxy_port) + self.dp_size;
+        if ports.end > 65_536 {
+            return Err("--proxy-port + --dp-size exceeds port 65535".into());
+        }
+        if ports.contains(&u32::from(self.metrics_port)) {
+            return Err(format!(
+                "--metrics-port {} collides with a rank's proxy port ({}..{})",
+                self.metrics_port, ports.start, ports.end
+            ));
+        }
         if self.batch_max_keys == 0 || self.batch_max_keys > 100_000 {
             return Err("--batch-max-keys must be in 1..=100000".into());
         }
@@ -110,9 +126,6 @@ impl Args {
         if self.load_interval_ms == 0 {
             return Err("--load-interval-ms must be positive".into());
         }
-        if self.proxy_port == self.metrics_port {
-            return Err("--proxy-port and --metrics-port must differ".into());
-        }
         for (flag, ep) in [
             ("--kv-events-endpoint", &self.kv_events_endpoint),
             ("--replay-endpoint", &self.replay_endpoint),
@@ -124,5 +137,65 @@ impl Args {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::panic
+    )]
+
+    use clap::Parser as _;
+
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let base = [
+            "kvgate-sidecar",
+            "--model",
+            "m",
+            "--pool",
+            "p",
+            "--pod",
+            "a",
+        ];
+        Args::try_parse_from(base.iter().chain(extra)).unwrap()
+    }
+
+    #[test]
+    fn data_parallel_ranks_are_bounded_and_their_ports_checked() {
+        assert!(args(&[]).validate().is_ok());
+        assert!(args(&["--dp-size", "8"]).validate().is_ok());
+        for (extra, why) in [
+            (&["--dp-size", "0"][..], "--dp-size must be in 1..=8"),
+            (&["--dp-size", "9"][..], "--dp-size must be in 1..=8"),
+            (
+                &[
+                    "--dp-size",
+                    "2",
+                    "--proxy-port",
+                    "9090",
+                    "--metrics-port",
+                    "9091",
+                ][..],
+                "collides with a rank's proxy port",
+            ),
+            (
+                &["--dp-size", "2", "--proxy-port", "65535"][..],
+                "exceeds port 65535",
+            ),
+            (
+                &["--dp-size", "2", "--engine-url", "http://127.0.0.1:65535"][..],
+                "exceeds 65535",
+            ),
+            (&["--metrics-port", "8000"][..], "collides"),
+        ] {
+            let err = args(extra).validate().unwrap_err();
+            assert!(err.contains(why), "{extra:?}: {err}");
+        }
     }
 }

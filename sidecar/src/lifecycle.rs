@@ -18,7 +18,7 @@ use crate::Args;
 use crate::health::{self, DrainHook, Readiness, canary, engine};
 use crate::proxy::prefill::PrefillConfig;
 use crate::proxy::ssrf::{self, LiveAllowList, SsrfPolicy};
-use crate::proxy::{self, ProxyMetrics, ProxyState, engine_authority, upstream};
+use crate::proxy::{self, ProxyMetrics, ProxyState, engine_authority, rank_authorities, upstream};
 
 /// Why the sidecar stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -94,28 +94,34 @@ pub async fn run(
         readiness,
         metrics: metrics.clone(),
     };
-    let state = Arc::new(ProxyState {
-        client: client.clone(),
-        engine: engine.clone(),
-        ssrf: ssrf_policy,
-        prefill: PrefillConfig {
-            retry: p.retry(),
-            timeout: Duration::from_millis(p.prefill_timeout_ms),
-            max_body: p.proxy_max_body_bytes,
-        },
-        max_body: p.proxy_max_body_bytes,
-        metrics: metrics.clone(),
-    });
-
+    // One proxy per data-parallel rank: `--proxy-port` + r in front of the engine's port + r.
+    let engines =
+        rank_authorities(&engine, args.dp_size).map_err(cli_support::StartError::Config)?;
     let any = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
-    let proxy_addr = SocketAddr::new(any, args.proxy_port);
-    let bound = proxy::bind(proxy_addr, state)
-        .await
-        .map_err(|source| RunError::Bind {
-            what: "proxy",
-            addr: proxy_addr,
-            source,
-        })?;
+    let mut proxies = Vec::with_capacity(engines.len());
+    for (port, rank_engine) in (args.proxy_port..).zip(&engines) {
+        let state = Arc::new(ProxyState {
+            client: client.clone(),
+            engine: rank_engine.clone(),
+            ssrf: ssrf_policy.clone(),
+            prefill: PrefillConfig {
+                retry: p.retry(),
+                timeout: Duration::from_millis(p.prefill_timeout_ms),
+                max_body: p.proxy_max_body_bytes,
+            },
+            max_body: p.proxy_max_body_bytes,
+            metrics: metrics.clone(),
+        });
+        let addr = SocketAddr::new(any, port);
+        let bound = proxy::bind(addr, state)
+            .await
+            .map_err(|source| RunError::Bind {
+                what: "proxy",
+                addr,
+                source,
+            })?;
+        proxies.push(bound);
+    }
     let health_addr = SocketAddr::new(any, args.metrics_port);
     let health_listener = tokio::net::TcpListener::bind(health_addr)
         .await
@@ -133,7 +139,7 @@ pub async fn run(
     let h = &p.health;
     background.spawn(engine::run(
         client.clone(),
-        engine.clone(),
+        engines.clone(),
         Duration::from_millis(h.engine_health_interval_ms),
         Duration::from_millis(h.engine_health_timeout_ms),
         parts.readiness.clone(),
@@ -170,11 +176,15 @@ pub async fn run(
         }
     });
 
-    tracing::info!(proxy = %proxy_addr, health = %health_addr, engine = %engine, "kvgate-sidecar proxy serving");
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    let server = tokio::spawn(bound.serve(async move {
-        let _ = stop_rx.wait_for(|stop| *stop).await;
-    }));
+    tracing::info!(
+        proxy_port = args.proxy_port,
+        ranks = engines.len(),
+        health = %health_addr,
+        engine = %engine,
+        "kvgate-sidecar proxy serving"
+    );
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let server = tokio::spawn(serve_all(proxies, stop_rx));
     cli_support::shutdown_signal().await;
     metrics.drain_started();
     let report = health::drain::drain(
@@ -190,4 +200,27 @@ pub async fn run(
     metrics.drain_duration(report.duration);
     background.shutdown().await;
     Ok(())
+}
+
+/// Serves every rank's proxy until `stop` turns true and each has finished its open streams;
+/// the first error, if any, is returned after all have stopped.
+async fn serve_all(
+    proxies: Vec<proxy::BoundProxy>,
+    stop: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let mut servers = tokio::task::JoinSet::new();
+    for bound in proxies {
+        let mut stop = stop.clone();
+        servers.spawn(bound.serve(async move {
+            let _ = stop.wait_for(|stop| *stop).await;
+        }));
+    }
+    let mut first = Ok(());
+    while let Some(done) = servers.join_next().await {
+        let result = done.unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        if first.is_ok() {
+            first = result;
+        }
+    }
+    first
 }

@@ -47,6 +47,8 @@ pub struct App {
     pub publisher: Option<Arc<PublisherStats>>,
     /// Pod name for the response header.
     pub pod: HeaderValue,
+    /// Data-parallel rank for the response header.
+    pub dp_rank: HeaderValue,
     /// `ip:port` for P/D parameters.
     pub advertise: (String, u16),
     /// Context length.
@@ -313,6 +315,8 @@ impl App {
 
     fn with_pod(&self, mut resp: Response) -> Response {
         resp.headers_mut().insert("x-kvgate-pod", self.pod.clone());
+        resp.headers_mut()
+            .insert("x-kvgate-dp-rank", self.dp_rank.clone());
         resp
     }
 

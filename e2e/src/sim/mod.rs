@@ -184,6 +184,7 @@ async fn serve(args: Args) -> Result<(), SimError> {
         publisher: publisher_stats,
         pod: HeaderValue::from_str(&pod)
             .map_err(|_| config_error("--pod-name is not a valid header value"))?,
+        dp_rank: HeaderValue::from(args.data_parallel_rank),
         advertise: (args.advertise_ip.to_string(), args.port),
         max_model_len: config.max_model_len,
         block_size: config.block_size,

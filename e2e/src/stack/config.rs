@@ -57,6 +57,10 @@ impl Router {
 pub struct StackConfig {
     /// Simulated engines (each behind its own sidecar).
     pub engines: usize,
+    /// Data-parallel ranks per engine pod: each rank is its own `kvgate-sim` process
+    /// (`--data-parallel-rank`) on the pod's ports + rank, one sidecar bridges and proxies them
+    /// all (`--dp-size`), and the EPP lists one endpoint per rank (GIE's `targetPorts`).
+    pub dp_ranks: u16,
     /// `kvgate-sim --preset`.
     pub preset: String,
     /// `kvgate-sim --time-scale` (above 1 runs faster than the modelled hardware).
@@ -111,6 +115,7 @@ impl Default for StackConfig {
     fn default() -> Self {
         Self {
             engines: 3,
+            dp_ranks: 1,
             preset: "small".into(),
             time_scale: 10.0,
             model: "m".into(),
@@ -138,12 +143,24 @@ impl Default for StackConfig {
 
 /// Most engines one stack starts (each costs four ports and two processes).
 pub const MAX_ENGINES: usize = 64;
+/// Most data-parallel ranks per engine pod (GIE's limit on an InferencePool's target ports).
+pub const MAX_DP_RANKS: u16 = 8;
 
 impl StackConfig {
     /// Checks the values that would otherwise fail late, inside a component.
     pub fn validate(&self) -> Result<(), String> {
         if self.engines == 0 || self.engines > MAX_ENGINES {
             return Err(format!("engines must be in 1..={MAX_ENGINES}"));
+        }
+        if self.dp_ranks == 0 || self.dp_ranks > MAX_DP_RANKS {
+            return Err(format!("data-parallel ranks must be in 1..={MAX_DP_RANKS}"));
+        }
+        if self.dp_ranks > 1 && self.kv_events == KvEventsPath::Direct {
+            return Err(
+                "data-parallel ranks need the sidecars (their proxies serve the ranks' ports): \
+                 drop the direct KV-event path"
+                    .into(),
+            );
         }
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
             return Err("time scale must be a positive number".into());
@@ -177,7 +194,7 @@ impl StackConfig {
     /// The components this configuration runs, in start order.
     pub fn components(&self) -> Vec<Component> {
         let mut all = vec![Component::Nats];
-        all.extend((0..self.engines).map(Component::Engine));
+        all.extend((0..self.engine_processes()).map(Component::Engine));
         all.extend((0..self.engines).map(Component::Sidecar));
         if self.router == Router::EnvoyEpp {
             all.push(Component::Epp);
@@ -186,6 +203,18 @@ impl StackConfig {
             all.push(Component::Router);
         }
         all
+    }
+
+    /// Engine processes: one per data-parallel rank of each pod, pod-major
+    /// (`Component::Engine(i)` is pod `i / dp_ranks`, rank `i % dp_ranks`).
+    pub fn engine_processes(&self) -> usize {
+        self.engines * usize::from(self.dp_ranks.max(1))
+    }
+
+    /// Engine process `i`'s pod and rank.
+    pub fn engine_rank(&self, i: usize) -> (usize, u16) {
+        let dp = usize::from(self.dp_ranks.max(1));
+        (i / dp, u16::try_from(i % dp).unwrap_or(0))
     }
 
     /// The configuration with another scheduling policy.
@@ -200,9 +229,10 @@ impl StackConfig {
 pub enum Component {
     /// `nats-server`.
     Nats,
-    /// `kvgate-sim` number `i`.
+    /// `kvgate-sim` process `i` (pod `i / dp_ranks`, rank `i % dp_ranks`; without data
+    /// parallelism, engine pod `i`).
     Engine(usize),
-    /// The `kvgate-sidecar` in front of engine `i`.
+    /// The `kvgate-sidecar` of engine pod `i` (all its ranks).
     Sidecar(usize),
     /// `kvgate-epp`.
     Epp,
@@ -213,7 +243,7 @@ pub enum Component {
 }
 
 impl Component {
-    /// The pod name of engine `i` (its endpoint name in the EPP).
+    /// The pod name of engine pod `i` (its endpoint name in the EPP).
     pub fn pod_name(i: usize) -> String {
         format!("sim-{i}")
     }

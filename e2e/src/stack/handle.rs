@@ -37,10 +37,11 @@ impl Stack {
         config.validate().map_err(StackError::Config)?;
         let bins = Binaries::locate(&config)?;
         let run_dir = make_run_dir(config.run_dir.as_deref())?;
-        let ports = Ports::allocate(config.engines).map_err(|source| StackError::Io {
-            what: "choosing free ports".into(),
-            source,
-        })?;
+        let ports =
+            Ports::allocate(config.engines, config.dp_ranks).map_err(|source| StackError::Io {
+                what: "choosing free ports".into(),
+                source,
+            })?;
         let mut stack = Stack {
             config,
             ports,
@@ -77,12 +78,13 @@ impl Stack {
         &self.config
     }
 
-    /// The endpoints the EPP lists, `127.0.0.1:<sidecar proxy port>`, by engine index.
+    /// The endpoints the EPP lists, `127.0.0.1:<sidecar proxy port + rank>`, by engine process
+    /// index (pod-major, then rank).
     pub fn endpoints(&self) -> Vec<String> {
         self.ports
-            .engines
+            .endpoint_ports()
             .iter()
-            .map(|p| format!("127.0.0.1:{}", p.proxy))
+            .map(|p| format!("127.0.0.1:{p}"))
             .collect()
     }
 
@@ -106,10 +108,9 @@ impl Stack {
         page(self.ports.epp_metrics, "/metrics")
     }
 
-    /// Engine `i`'s own `/metrics` page.
+    /// Engine process `i`'s own `/metrics` page.
     pub fn engine_metrics(&self, i: usize) -> std::io::Result<String> {
-        let port = self.ports.engines.get(i).map_or(0, |p| p.http);
-        page(port, "/metrics")
+        page(self.ports.engine_http(i).unwrap_or(0), "/metrics")
     }
 
     /// Kills a component abruptly (SIGKILL), as a crash would.
@@ -187,12 +188,13 @@ impl Stack {
     /// Envoy, then the EPP, then every sidecar at once (they drain in parallel), every engine,
     /// and NATS last.
     fn stop_all(&mut self) {
-        let n = self.config.engines;
         let tiers: [Vec<Component>; 5] = [
             vec![Component::Envoy, Component::Router],
             vec![Component::Epp],
-            (0..n).map(Component::Sidecar).collect(),
-            (0..n).map(Component::Engine).collect(),
+            (0..self.config.engines).map(Component::Sidecar).collect(),
+            (0..self.config.engine_processes())
+                .map(Component::Engine)
+                .collect(),
             vec![Component::Nats],
         ];
         for tier in tiers {
@@ -228,7 +230,7 @@ impl Stack {
         let ports = self.ports.clone();
         move || match component {
             Component::Nats => probe::tcp_open(ports.nats, PROBE_TIMEOUT),
-            Component::Engine(i) => ports.engines.get(i).is_some_and(|p| ok(p.http, "/health")),
+            Component::Engine(i) => ports.engine_http(i).is_some_and(|p| ok(p, "/health")),
             Component::Sidecar(i) => ports
                 .engines
                 .get(i)
@@ -252,16 +254,19 @@ impl Stack {
                 vec![],
             ),
             Component::Engine(i) => {
-                let p = self.ports.engines.get(i).copied().unwrap_or(ZERO);
+                let (pod, rank) = c.engine_rank(i);
+                let p = self.ports.engines.get(pod).copied().unwrap_or(ZERO);
                 let mut args = strings(&[
                     "--host",
                     "127.0.0.1",
                     "--port",
-                    &p.http.to_string(),
+                    &p.http.saturating_add(rank).to_string(),
+                    "--data-parallel-rank",
+                    &rank.to_string(),
                     "--model",
                     &c.model,
                     "--pod-name",
-                    &Component::pod_name(i),
+                    &Component::pod_name(pod),
                     "--preset",
                     &c.preset,
                     "--time-scale",
@@ -307,6 +312,8 @@ impl Stack {
                     &p.sidecar_metrics.to_string(),
                     "--drain-grace-seconds",
                     "2",
+                    "--dp-size",
+                    &c.dp_ranks.max(1).to_string(),
                 ]);
                 (self.bins.sidecar.clone(), args, rust_env)
             }
@@ -369,9 +376,9 @@ impl Stack {
                 }
                 args.extend(
                     self.ports
-                        .engines
+                        .endpoint_ports()
                         .iter()
-                        .map(|p| format!("http://127.0.0.1:{}", p.proxy)),
+                        .map(|p| format!("http://127.0.0.1:{p}")),
                 );
                 let program = self.bins.router.clone().unwrap_or_default();
                 (program, args, vec![])

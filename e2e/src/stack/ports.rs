@@ -1,8 +1,11 @@
 //! The stack's ports, all chosen free on loopback at start and kept across component restarts.
+//! With data-parallel ranks, an engine pod's HTTP, event, replay and proxy ports are each a run
+//! of consecutive ports (rank r at base + r), as vLLM and the sidecar offset them.
 
 use std::net::TcpListener;
 
-/// Ports of one engine and its sidecar.
+/// Ports of one engine pod and its sidecar; with data-parallel ranks, each of `http`, `events`,
+/// `replay` and `proxy` is rank 0's, and rank r uses it + r.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EnginePorts {
     /// The engine's OpenAI HTTP port.
@@ -20,6 +23,8 @@ pub struct EnginePorts {
 /// Every port of a stack.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ports {
+    /// Data-parallel ranks per engine pod (1 without data parallelism).
+    pub dp_ranks: u16,
     /// NATS client port.
     pub nats: u16,
     /// Per engine.
@@ -40,25 +45,33 @@ const PER_ENGINE: usize = 5;
 const FIXED: usize = 6;
 
 impl Ports {
-    /// Distinct free loopback ports for a stack of `engines` engines. All listeners are held
-    /// until every port is chosen, so no two coincide; another process may still take one
-    /// before its component binds it (the component then fails readiness with its log).
-    pub fn allocate(engines: usize) -> std::io::Result<Ports> {
-        let held = (0..FIXED + PER_ENGINE * engines)
-            .map(|_| TcpListener::bind("127.0.0.1:0"))
-            .collect::<Result<Vec<_>, _>>()?;
-        let ports = held
-            .iter()
-            .map(|l| l.local_addr().map(|a| a.port()))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Ports::from_list(&ports, engines))
+    /// Distinct free loopback ports for a stack of `engines` engine pods of `dp_ranks` ranks
+    /// each. All listeners are held until every port is chosen, so no two coincide; another
+    /// process may still take one before its component binds it (the component then fails
+    /// readiness with its log).
+    pub fn allocate(engines: usize, dp_ranks: u16) -> std::io::Result<Ports> {
+        let mut held = Vec::new();
+        let mut list = Vec::with_capacity(FIXED + PER_ENGINE * engines);
+        for i in 0..FIXED + PER_ENGINE * engines {
+            // The last port of each engine (the sidecar's metrics) is single; the others are runs.
+            let run = if i >= FIXED && (i - FIXED) % PER_ENGINE != PER_ENGINE - 1 {
+                dp_ranks.max(1)
+            } else {
+                1
+            };
+            let (base, listeners) = free_run(run)?;
+            held.extend(listeners);
+            list.push(base);
+        }
+        Ok(Ports::from_list(&list, engines, dp_ranks.max(1)))
     }
 
     /// Lays out `list` (at least [`FIXED`] + [`PER_ENGINE`] × `engines` ports; missing ones
     /// read as 0, which the caller never produces).
-    fn from_list(list: &[u16], engines: usize) -> Ports {
+    fn from_list(list: &[u16], engines: usize, dp_ranks: u16) -> Ports {
         let at = |i: usize| list.get(i).copied().unwrap_or(0);
         Ports {
+            dp_ranks,
             nats: at(0),
             epp_grpc: at(1),
             epp_health: at(2),
@@ -80,6 +93,23 @@ impl Ports {
         }
     }
 
+    /// Every endpoint the pool serves, pod-major: each pod's proxy port + rank.
+    pub fn endpoint_ports(&self) -> Vec<u16> {
+        self.engines
+            .iter()
+            .flat_map(|e| (0..self.dp_ranks).map(move |r| e.proxy.saturating_add(r)))
+            .collect()
+    }
+
+    /// Engine process `i`'s (pod `i / dp_ranks`, rank `i % dp_ranks`) HTTP port.
+    pub fn engine_http(&self, i: usize) -> Option<u16> {
+        let dp = usize::from(self.dp_ranks.max(1));
+        let rank = u16::try_from(i % dp).ok()?;
+        self.engines
+            .get(i / dp)
+            .map(|e| e.http.saturating_add(rank))
+    }
+
     /// Every port, for uniqueness checks.
     pub fn all(&self) -> Vec<u16> {
         let mut all = vec![
@@ -91,10 +121,42 @@ impl Ports {
             self.envoy_admin,
         ];
         for e in &self.engines {
-            all.extend([e.http, e.events, e.replay, e.proxy, e.sidecar_metrics]);
+            for r in 0..self.dp_ranks {
+                all.extend([e.http, e.events, e.replay, e.proxy].map(|p| p.saturating_add(r)));
+            }
+            all.push(e.sidecar_metrics);
         }
         all
     }
+}
+
+/// How many times [`free_run`] tries before giving up.
+const RUN_ATTEMPTS: usize = 200;
+
+/// `len` consecutive free loopback ports, held: the first is chosen by the kernel, the rest are
+/// bound explicitly; a taken neighbour starts over.
+fn free_run(len: u16) -> std::io::Result<(u16, Vec<TcpListener>)> {
+    for _ in 0..RUN_ATTEMPTS {
+        let first = TcpListener::bind("127.0.0.1:0")?;
+        let base = first.local_addr()?.port();
+        let mut run = vec![first];
+        for r in 1..len {
+            let Some(port) = base.checked_add(r) else {
+                break;
+            };
+            match TcpListener::bind(("127.0.0.1", port)) {
+                Ok(l) => run.push(l),
+                Err(_) => break,
+            }
+        }
+        if run.len() == usize::from(len) {
+            return Ok((base, run));
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        format!("no run of {len} consecutive free ports in {RUN_ATTEMPTS} attempts"),
+    ))
 }
 
 #[cfg(test)]
@@ -109,8 +171,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn data_parallel_ranks_get_consecutive_ports() {
+        let p = Ports::allocate(2, 3).unwrap();
+        let mut all = p.all();
+        assert_eq!(all.len(), FIXED + 2 * (4 * 3 + 1));
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), FIXED + 2 * (4 * 3 + 1), "ports coincide");
+        let e = p.endpoint_ports();
+        assert_eq!(e.len(), 6);
+        assert_eq!(e[..3], [0, 1, 2].map(|r| p.engines[0].proxy + r));
+        assert_eq!(e[3..], [0, 1, 2].map(|r| p.engines[1].proxy + r));
+        assert_eq!(p.engine_http(4), Some(p.engines[1].http + 1));
+        assert_eq!(p.engine_http(6), None);
+    }
+
+    #[test]
     fn allocated_ports_are_distinct_and_nonzero() {
-        let p = Ports::allocate(4).unwrap();
+        let p = Ports::allocate(4, 1).unwrap();
         let mut all = p.all();
         assert_eq!(all.len(), FIXED + PER_ENGINE * 4);
         assert!(all.iter().all(|&x| x != 0));

@@ -6,20 +6,23 @@ use std::fmt::Write as _;
 use super::config::{Component, EnvoyLb, KvEventsPath, StackConfig};
 use super::ports::Ports;
 
-/// The EPP's file-discovery document: one endpoint per engine, named by its pod, at its
-/// sidecar's proxy port (the address the sidecar stamps into its envelopes' `Source`).
-/// `live[i]` false leaves engine `i` out.
+/// The EPP's file-discovery document: one entry per engine pod, named by its pod, listing its
+/// sidecar's proxy port + rank for each data-parallel rank (the addresses the sidecar stamps
+/// into its envelopes' `Source`). `live[i]` false leaves pod `i` out.
 pub fn endpoints_yaml(config: &StackConfig, ports: &Ports, live: &[bool]) -> String {
     let mut out = String::from("endpoints:\n");
     for (i, p) in ports.engines.iter().enumerate() {
         if !live.get(i).copied().unwrap_or(true) {
             continue;
         }
+        let rank_ports: Vec<String> = (0..ports.dp_ranks.max(1))
+            .map(|r| p.proxy.saturating_add(r).to_string())
+            .collect();
         let _ = write!(
             out,
             "  - {{name: {}, address: 127.0.0.1, ports: [{}]",
             Component::pod_name(i),
-            p.proxy
+            rank_ports.join(", ")
         );
         if config.kv_events == KvEventsPath::Direct {
             let _ = write!(
@@ -66,12 +69,11 @@ pub const SUBSET_HEADER: &str = "x-gateway-destination-endpoint-subset";
 /// Connect failures and 502/503 from a sidecar are retried on the next host of the EPP's list.
 pub fn envoy_yaml(config: &StackConfig, ports: &Ports) -> String {
     let hosts: String = ports
-        .engines
+        .endpoint_ports()
         .iter()
         .map(|p| {
             format!(
-                "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }}\n",
-                p.proxy
+                "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }}\n"
             )
         })
         .collect();
@@ -216,7 +218,30 @@ mod tests {
     use super::*;
 
     fn ports() -> Ports {
-        Ports::allocate(2).unwrap()
+        Ports::allocate(2, 1).unwrap()
+    }
+
+    #[test]
+    fn data_parallel_pods_list_one_port_per_rank_and_envoy_knows_them_all() {
+        let p = Ports::allocate(2, 2).unwrap();
+        let c = StackConfig {
+            engines: 2,
+            dp_ranks: 2,
+            ..StackConfig::default()
+        };
+        let y = endpoints_yaml(&c, &p, &[true, true]);
+        assert!(y.contains(&format!(
+            "{{name: sim-1, address: 127.0.0.1, ports: [{}, {}]}}",
+            p.engines[1].proxy,
+            p.engines[1].proxy + 1
+        )));
+        let e = envoy_yaml(&c, &p);
+        for port in p.endpoint_ports() {
+            assert!(
+                e.contains(&format!("port_value: {port} ")),
+                "{port} missing"
+            );
+        }
     }
 
     #[test]

@@ -17,6 +17,10 @@ pub struct UpArgs {
     /// Simulated engines, each behind its own sidecar.
     #[arg(long, default_value_t = 3)]
     pub engines: usize,
+    /// Data-parallel ranks per engine (1–8): each rank is its own simulator on the pod's ports
+    /// + rank, its sidecar serves every rank's port, and the EPP lists one endpoint per rank.
+    #[arg(long, default_value_t = 1)]
+    pub dp_ranks: u16,
     /// Engine preset (`kvgate-sim --preset`).
     #[arg(long, default_value = "small")]
     pub preset: String,
@@ -100,6 +104,7 @@ impl UpArgs {
         }
         Ok(StackConfig {
             engines: self.engines,
+            dp_ranks: self.dp_ranks,
             preset: self.preset.clone(),
             time_scale: self.time_scale,
             model: self.model.clone(),
@@ -179,9 +184,11 @@ fn announce(stack: &Stack) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "kvgate stack ready ({} engines)\n  OpenAI base URL: {}\n  run dir:         {}\n  \
-         routing:         {routing}\n  NATS:            nats://127.0.0.1:{}\nCtrl-C stops it.",
+        "kvgate stack ready ({} engines × {} data-parallel ranks)\n  OpenAI base URL: {}\n  \
+         run dir:         {}\n  routing:         {routing}\n  NATS:            \
+         nats://127.0.0.1:{}\nCtrl-C stops it.",
         c.engines,
+        c.dp_ranks,
         stack.base_url(),
         stack.run_dir().display(),
         p.nats,

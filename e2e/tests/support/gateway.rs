@@ -54,6 +54,11 @@ impl Reply {
         self.header("x-kvgate-pod").unwrap_or("")
     }
 
+    /// `x-kvgate-dp-rank` (the data-parallel rank that answered).
+    pub fn dp_rank(&self) -> &str {
+        self.header("x-kvgate-dp-rank").unwrap_or("")
+    }
+
     /// `x-kvgate-upstream` (the host Envoy sent to).
     pub fn upstream(&self) -> &str {
         self.header("x-kvgate-upstream").unwrap_or("")

@@ -1,5 +1,6 @@
 //! The engine liveness poller: `GET /health` on the engine every interval; readiness follows the
-//! last answer (200 within the timeout is healthy).
+//! last answers (200 within the timeout is healthy). With data-parallel ranks served on their own
+//! ports, every rank is polled and the pod is healthy only while all of them are.
 
 use std::time::Duration;
 
@@ -20,24 +21,29 @@ pub async fn check(client: &Upstream, engine: &str, timeout: Duration) -> bool {
     )
 }
 
-/// Polls forever, logging transitions.
+/// Polls `engines` (one authority per data-parallel rank) forever, logging each rank's
+/// transitions; readiness's engine input is the conjunction.
 pub async fn run(
     client: Upstream,
-    engine: String,
+    engines: Vec<String>,
     every: Duration,
     timeout: Duration,
     readiness: Readiness,
 ) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last = None;
+    let mut last: Vec<Option<bool>> = vec![None; engines.len()];
     loop {
         tick.tick().await;
-        let ok = check(&client, &engine, timeout).await;
-        if last != Some(ok) {
-            tracing::info!(engine = %engine, healthy = ok, "engine health changed");
-            last = Some(ok);
+        let mut all = true;
+        for (engine, last) in engines.iter().zip(last.iter_mut()) {
+            let ok = check(&client, engine, timeout).await;
+            if *last != Some(ok) {
+                tracing::info!(engine = %engine, healthy = ok, "engine health changed");
+                *last = Some(ok);
+            }
+            all &= ok;
         }
-        readiness.set_engine_healthy(ok);
+        readiness.set_engine_healthy(all);
     }
 }

@@ -97,6 +97,25 @@ pub fn engine_authority(url: &str) -> Result<String, String> {
         .ok_or_else(|| format!("--engine-url {url:?} has no host"))
 }
 
+/// The engine authority of each data-parallel rank: rank `r` is served on the engine's port + `r`
+/// (vLLM's per-rank API servers with an external load balancer, and GIE's `targetPorts`), and the
+/// proxy in front of it on `--proxy-port` + `r`. An error names a port that overflows.
+pub fn rank_authorities(engine: &str, dp_size: u32) -> Result<Vec<String>, String> {
+    let (host, port) = engine
+        .rsplit_once(':')
+        .ok_or_else(|| format!("engine authority {engine:?} has no port"))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|e| format!("engine authority {engine:?}: port: {e}"))?;
+    (0..dp_size)
+        .map(|rank| {
+            u16::try_from(u32::from(port) + rank)
+                .map(|p| format!("{host}:{p}"))
+                .map_err(|_| format!("engine port {port} + rank {rank} exceeds 65535"))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(
@@ -120,5 +139,20 @@ mod tests {
         assert!(engine_authority("https://127.0.0.1:8200").is_err());
         assert!(engine_authority("http://127.0.0.1:8200/v1").is_err());
         assert!(engine_authority("127.0.0.1:8200").is_err());
+    }
+
+    #[test]
+    fn ranks_take_consecutive_engine_ports() {
+        assert_eq!(
+            rank_authorities("127.0.0.1:8200", 3).unwrap(),
+            ["127.0.0.1:8200", "127.0.0.1:8201", "127.0.0.1:8202"]
+        );
+        assert_eq!(rank_authorities("[::1]:8200", 1).unwrap(), ["[::1]:8200"]);
+        assert!(
+            rank_authorities("127.0.0.1:65535", 2)
+                .unwrap_err()
+                .contains("65535")
+        );
+        assert!(rank_authorities("localhost", 1).is_err());
     }
 }

@@ -25,7 +25,7 @@ pub mod server;
 pub mod ssrf;
 pub mod upstream;
 
-pub use args::{DEFAULT_MAX_BODY, ProxyArgs, engine_authority};
+pub use args::{DEFAULT_MAX_BODY, ProxyArgs, engine_authority, rank_authorities};
 pub use error::ProxyError;
 pub use handler::ProxyState;
 pub use metrics::{Mode, ProxyMetrics};
