@@ -21,7 +21,7 @@ use scheduler::Policy;
 
 use crate::load::{LoadArgs, LoadError, ReportArgs, WorkloadKind};
 use crate::stack::probe::{http_request, metric_sum};
-use crate::stack::{Stack, StackError, UpArgs};
+use crate::stack::{Router, Stack, StackError, UpArgs};
 
 /// Options of `kvgate-bench compare`.
 #[derive(Debug, Clone, clap::Args)]
@@ -32,6 +32,11 @@ pub struct CompareArgs {
     /// Policies to compare, in order.
     #[arg(long, value_delimiter = ',', default_value = "kv,round-robin")]
     pub policies: Vec<Policy>,
+    /// Peer routers to run after the policies, on the same engines and sidecars, each with
+    /// `--router-policy` (default `cache_aware`): `vllm-router`, `smg` (found as for
+    /// `kvgate-bench up --router`). Their records are labelled with the router's name.
+    #[arg(long, value_delimiter = ',')]
+    pub routers: Vec<Router>,
     /// Load levels, in order: concurrency (doks, or with `--concurrency`), QPS
     /// (shared-prefix) or speed-up (mooncake).
     #[arg(long, value_delimiter = ',', required = true)]
@@ -121,7 +126,7 @@ fn load_template(extra: &[String]) -> Result<LoadArgs, CompareError> {
 fn run_args(
     template: &LoadArgs,
     stack: (&str, Option<f64>),
-    policy: Policy,
+    label: &str,
     level: f64,
     out: &Path,
 ) -> LoadArgs {
@@ -131,7 +136,7 @@ fn run_args(
         a.time_scale = scale;
     }
     a.url = url.to_owned();
-    a.run = policy.to_string();
+    a.run = label.to_owned();
     a.load = Some(level);
     a.out = Some(out.to_path_buf());
     a.quiet = true;
@@ -155,8 +160,8 @@ fn sets_time_scale(extra: &[String]) -> bool {
 }
 
 /// File name of a run's records.
-fn records_name(policy: Policy, level: f64) -> String {
-    format!("{policy}-{level}.jsonl")
+fn records_name(label: &str, level: f64) -> String {
+    format!("{label}-{level}.jsonl")
 }
 
 /// The engines' summed prefix-cache counters (tokens): (hits, queries).
@@ -169,6 +174,23 @@ fn engine_cache_counters(stack: &Stack) -> (f64, f64) {
         }
     }
     (hits, queries)
+}
+
+/// What routes one set of runs: the EPP with a policy, or a peer router.
+#[derive(Debug, Clone, Copy)]
+enum Front {
+    Policy(Policy),
+    Router(Router),
+}
+
+impl Front {
+    /// The runs' label: the policy, or the router's program name.
+    fn label(self) -> String {
+        match self {
+            Front::Policy(p) => p.to_string(),
+            Front::Router(r) => r.program().to_owned(),
+        }
+    }
 }
 
 /// Clears every engine's prefix cache (vLLM's `POST /reset_prefix_cache`), retrying briefly
@@ -209,9 +231,18 @@ pub fn run(args: &CompareArgs) -> Result<(), CompareError> {
             "load level {bad} must be finite and positive"
         )));
     }
-    let template = load_template(&args.load_args)?;
+    if args.stack.router != Router::EnvoyEpp || args.routers.contains(&Router::EnvoyEpp) {
+        return Err(CompareError::Config(
+            "compare runs the policies through Envoy + EPP first: leave --router at envoy-epp \
+             and name peer routers (vllm-router, smg) with --routers"
+                .into(),
+        ));
+    }
+    let mut template = load_template(&args.load_args)?;
     crate::load::init_tracing();
     let mut config = args.stack.config()?;
+    // Name the stack's model in every request: some peer routers (smg) require the field.
+    template.model.get_or_insert_with(|| config.model.clone());
     config.scheduler.policy = args.policies.first().copied().unwrap_or_default();
     let mut stack = Stack::start(config)?;
     let out = args
@@ -246,20 +277,28 @@ fn sweep(
     })?;
     let mut files = Vec::new();
     let mut engines = String::from("policy\tload\tengine_prefix_hit_rate\n");
-    for (n, policy) in args.policies.iter().enumerate() {
-        if n > 0 {
-            stack.set_policy(*policy)?;
+    let fronts = args
+        .policies
+        .iter()
+        .map(|p| Front::Policy(*p))
+        .chain(args.routers.iter().map(|r| Front::Router(*r)));
+    for (n, front) in fronts.enumerate() {
+        match front {
+            Front::Policy(policy) if n > 0 => stack.set_policy(policy)?,
+            Front::Policy(_) => {}
+            Front::Router(router) => stack.set_router(router)?,
         }
+        let label = front.label();
         for level in &args.loads {
             if !args.keep_caches {
                 reset_caches(stack)?;
             }
-            let path = out.join(records_name(*policy, *level));
+            let path = out.join(records_name(&label, *level));
             let before = engine_cache_counters(stack);
-            tracing::info!(%policy, load = level, records = %path.display(), "run starting");
+            tracing::info!(run = %label, load = level, records = %path.display(), "run starting");
             let scale = (!sets_time_scale(&args.load_args)).then_some(stack.config().time_scale);
             let url = stack.base_url();
-            crate::load::run(run_args(template, (&url, scale), *policy, *level, &path))?;
+            crate::load::run(run_args(template, (&url, scale), &label, *level, &path))?;
             stack.check()?;
             let after = engine_cache_counters(stack);
             let queries = after.1 - before.1;
@@ -268,7 +307,7 @@ fn sweep(
             } else {
                 0.0
             };
-            let _ = writeln!(engines, "{policy}\t{level}\t{rate:.4}");
+            let _ = writeln!(engines, "{label}\t{level}\t{rate:.4}");
             files.push(path);
         }
     }
@@ -300,13 +339,7 @@ mod tests {
     #[test]
     fn load_levels_drive_what_the_workload_is_paced_by() {
         let doks = load_template(&strings(&["--workload", "doks", "--duration", "30"])).unwrap();
-        let a = run_args(
-            &doks,
-            ("http://x", Some(10.0)),
-            Policy::Kv,
-            120.0,
-            Path::new("a"),
-        );
+        let a = run_args(&doks, ("http://x", Some(10.0)), "kv", 120.0, Path::new("a"));
         assert_eq!((a.concurrency, a.time_scale), (Some(120), 10.0));
         assert_eq!(
             (a.run.as_str(), a.load, a.url.as_str()),
@@ -314,30 +347,18 @@ mod tests {
         );
 
         let sp = load_template(&strings(&["--workload", "shared-prefix"])).unwrap();
-        let b = run_args(
-            &sp,
-            ("http://x", None),
-            Policy::RoundRobin,
-            40.0,
-            Path::new("b"),
-        );
+        let b = run_args(&sp, ("http://x", None), "round-robin", 40.0, Path::new("b"));
         assert_eq!((b.qps, b.concurrency, b.time_scale), (40.0, None, 1.0));
         assert!(sets_time_scale(&strings(&["--time-scale=5"])));
         assert!(!sets_time_scale(&strings(&["--qps", "5"])));
 
         let mc = load_template(&strings(&["--workload", "mooncake"])).unwrap();
-        let c = run_args(&mc, ("http://x", None), Policy::Kv, 4.0, Path::new("c"));
+        let c = run_args(&mc, ("http://x", None), "kv", 4.0, Path::new("c"));
         assert_eq!((c.speedup, c.concurrency), (4.0, None));
 
         let closed =
             load_template(&strings(&["--workload", "mooncake", "--concurrency", "8"])).unwrap();
-        let d = run_args(
-            &closed,
-            ("http://x", None),
-            Policy::Kv,
-            16.0,
-            Path::new("d"),
-        );
+        let d = run_args(&closed, ("http://x", None), "kv", 16.0, Path::new("d"));
         assert_eq!((d.concurrency, d.speedup), (Some(16), 1.0));
     }
 
@@ -352,10 +373,7 @@ mod tests {
 
     #[test]
     fn record_files_are_named_by_policy_and_load() {
-        assert_eq!(
-            records_name(Policy::RoundRobin, 60.0),
-            "round-robin-60.jsonl"
-        );
-        assert_eq!(records_name(Policy::Kv, 2.5), "kv-2.5.jsonl");
+        assert_eq!(records_name("round-robin", 60.0), "round-robin-60.jsonl");
+        assert_eq!(records_name("kv", 2.5), "kv-2.5.jsonl");
     }
 }

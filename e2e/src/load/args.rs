@@ -81,6 +81,11 @@ pub struct LoadArgs {
     /// No progress line on stderr.
     #[arg(long)]
     pub quiet: bool,
+    /// Send prompts as text, each token id as four ASCII characters, which kvgate-sim's byte
+    /// tokenizer maps back to one token per id (for routers that refuse token-id prompts, such
+    /// as smg). Prompt lengths and shared prefixes are unchanged; ids themselves differ.
+    #[arg(long)]
+    pub text_prompts: bool,
 
     /// mooncake: the trace file.
     #[arg(

@@ -1,6 +1,7 @@
 //! One streaming completion against an OpenAI base URL, measured.
 //!
-//! `POST {base}/v1/completions` with a token-id prompt, `stream`, `stream_options.include_usage`,
+//! `POST {base}/v1/completions` with a token-id prompt (or its [`text_prompt`] rendering, for
+//! routers that refuse token ids), `stream`, `stream_options.include_usage`,
 //! `ignore_eos` and `return_token_ids`, over a pooled HTTP/1.1 keep-alive client (hyper) with
 //! `TCP_NODELAY`. The clock starts before the request is written; TTFT is the first chunk that
 //! carries output; E2E ends at the last byte of the body.
@@ -51,10 +52,41 @@ pub struct Reply {
 }
 
 #[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum Prompt<'a> {
+    Ids(&'a [u32]),
+    Text(String),
+}
+
+/// Base-36 digits of [`text_prompt`].
+const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+/// Distinct four-character words: ids are rendered modulo this.
+const WORDS: u32 = 36 * 36 * 36 * 36;
+
+/// The text form of a token-id prompt: every id as exactly four ASCII characters (base 36,
+/// modulo 36^4 = 1,679,616; the workloads' ids are below 100,000). `kvgate-sim`'s byte tokenizer
+/// cuts ASCII text into four-byte tokens, so the text is again one token per id and two prompts
+/// sharing an id prefix share a token prefix of the same length: block-level sharing, and so
+/// the routing problem, is unchanged. Real tokenizers would not keep that property.
+pub fn text_prompt(ids: &[u32]) -> String {
+    let mut out = String::with_capacity(ids.len() * 4);
+    for &id in ids {
+        let mut v = id % WORDS;
+        let mut word = [b'0'; 4];
+        for slot in word.iter_mut().rev() {
+            *slot = DIGITS.get((v % 36) as usize).copied().unwrap_or(b'0');
+            v /= 36;
+        }
+        out.extend(word.iter().map(|&b| char::from(b)));
+    }
+    out
+}
+
+#[derive(Debug, Serialize)]
 struct Body<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     model: Option<&'a str>,
-    prompt: &'a [u32],
+    prompt: Prompt<'a>,
     max_tokens: u32,
     stream: bool,
     stream_options: StreamOptions,
@@ -74,6 +106,7 @@ pub struct Client {
     completions: hyper::Uri,
     model: Option<String>,
     timeout: Duration,
+    text_prompts: bool,
 }
 
 /// A base URL that is not `http://host[:port][/path]`.
@@ -112,7 +145,15 @@ impl Client {
             completions,
             model,
             timeout,
+            text_prompts: false,
         })
+    }
+
+    /// Sends prompts as [`text_prompt`]s instead of token ids.
+    #[must_use]
+    pub fn with_text_prompts(mut self, text: bool) -> Self {
+        self.text_prompts = text;
+        self
     }
 
     /// Sends one completion and measures it. Never fails: every outcome is a [`Reply`].
@@ -143,7 +184,11 @@ impl Client {
     ) -> Reply {
         let body = Body {
             model: self.model.as_deref(),
-            prompt,
+            prompt: if self.text_prompts {
+                Prompt::Text(text_prompt(prompt))
+            } else {
+                Prompt::Ids(prompt)
+            },
             max_tokens,
             stream: true,
             stream_options: StreamOptions {
@@ -277,4 +322,33 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
         source = cause.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::panic
+    )]
+
+    use super::*;
+
+    #[test]
+    fn text_prompts_are_one_byte_tokenizer_token_per_id_and_keep_prefixes() {
+        let tok = tokenize::ByteTokenizer::new();
+        let a = [1_000_u32, 99_999, 42, 1_679_615];
+        let b = [1_000_u32, 99_999, 7];
+        let (ta, tb) = (text_prompt(&a), text_prompt(&b));
+        assert_eq!(ta.len(), 16);
+        assert!(ta.is_ascii());
+        let (ia, ib) = (tok.encode(&ta), tok.encode(&tb));
+        assert_eq!((ia.len(), ib.len()), (4, 3));
+        assert_eq!(ia[..2], ib[..2]);
+        assert_ne!(ia[2], ib[2]);
+        assert_ne!(text_prompt(&[5]), text_prompt(&[6]));
+        assert_eq!(text_prompt(&[0]), "0000");
+        assert_eq!(text_prompt(&[35]), "000z");
+    }
 }

@@ -33,7 +33,8 @@ pub fn run(args: LoadArgs) -> Result<()> {
     init_tracing();
     let workload = args.workload()?;
     let client = client::Client::new(&args.url, args.model.clone(), args.timeout()?)
-        .map_err(|e| LoadError::Config(e.to_string()))?;
+        .map_err(|e| LoadError::Config(e.to_string()))?
+        .with_text_prompts(args.text_prompts);
     let plan = driver::Plan {
         speedup: args.speedup,
         time_scale: args.time_scale,

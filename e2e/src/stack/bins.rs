@@ -111,7 +111,7 @@ fn venv_envoy() -> Result<PathBuf, StackError> {
 }
 
 /// A peer router from `<workspace>/.venv/bin`, `$KVGATE_ROUTERS_VENV/bin` or the `PATH`.
-fn peer_router(router: Router) -> Result<PathBuf, StackError> {
+pub(crate) fn peer_router(router: Router) -> Result<PathBuf, StackError> {
     let name = router.program();
     let mut dirs = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin")];
     if let Some(v) = std::env::var_os("KVGATE_ROUTERS_VENV") {

@@ -151,6 +151,43 @@ impl Stack {
         self.start_component(component)
     }
 
+    /// Puts another router in front of the same engines and sidecars: Envoy and the EPP (or the
+    /// running peer router) stop, and `router` starts on the same listening port, so a
+    /// comparison can run kvgate's policies and peer routers against one set of engines. The
+    /// peer router's program is found as at start (`--router-bin` applies to the router the
+    /// stack started with only).
+    pub fn set_router(&mut self, router: Router) -> Result<(), StackError> {
+        if router == self.config.router {
+            return Ok(());
+        }
+        if router != Router::EnvoyEpp {
+            let program = match (&self.config.router_bin, self.config.router) {
+                (Some(p), r) if r == router => p.clone(),
+                _ => super::bins::peer_router(router)?,
+            };
+            self.bins.router = Some(program);
+        } else if self.bins.envoy.as_os_str().is_empty() {
+            self.bins.envoy = Binaries::locate(&StackConfig {
+                router: Router::EnvoyEpp,
+                ..self.config.clone()
+            })?
+            .envoy;
+        }
+        for front in [Component::Envoy, Component::Epp, Component::Router] {
+            if let Some(proc) = self.procs.remove(&front) {
+                proc.stop(self.config.stop_grace);
+            }
+        }
+        self.config.router = router;
+        if router == Router::EnvoyEpp {
+            self.write_configs()?;
+            self.start_component(Component::Epp)?;
+            self.start_component(Component::Envoy)
+        } else {
+            self.start_component(Component::Router)
+        }
+    }
+
     /// Restarts the EPP with another scheduling policy; the engines, their caches and the
     /// sidecars stay as they are, so policies can be compared on the same engines.
     pub fn set_policy(&mut self, policy: Policy) -> Result<(), StackError> {
