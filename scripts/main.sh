@@ -4,7 +4,10 @@
 #      kvgate-sidecars, kvgate-epp, a real Envoy), a shared-prefix conversation through Envoy that
 #      sticks to the engine holding its prefix with cached tokens, then Ctrl-C (e2e/stack_demo.sh);
 #   2. the routing benchmark, live: `kvgate-bench compare` on one stack of three engines, a
-#      shared-prefix workload at two rates for kv, round-robin, least-load and prefix-only;
+#      shared-prefix workload at two rates for kv, round-robin, least-load and prefix-only, then
+#      the peer routers vllm-router and smg (PyPI, installed into .routers-venv) on the same
+#      engines; the live stack's request rate through Envoy + EPP (e2e/bench/stack_rate.sh); and
+#      live vs discrete-event results on a small case (e2e/bench/live_vs_replay.sh);
 #   3. the routing benchmark in virtual time: `kvgate-bench replay` of seed 001's workload on
 #      three H200 engines for every policy at concurrency 60-180 (the seed's round-robin columns
 #      are its fidelity check, docs/benchmarks.md), then the Mooncake trace's first 10 minutes on
@@ -22,10 +25,22 @@ e2e/stack_demo.sh --release
 bench="${CARGO_TARGET_DIR:-$root/target}/release/kvgate-bench"
 out=${KVGATE_MAIN_OUT:-/tmp/kvgate-main}
 rm -rf "$out"; mkdir -p "$out"
+routers_venv=${KVGATE_ROUTERS_VENV:-$root/.routers-venv}
+if [ ! -x "$routers_venv/bin/smg" ] || [ ! -x "$routers_venv/bin/vllm-router" ]; then
+  echo "main: installing the peer routers (vllm-router, smg) into $routers_venv"
+  python3 -m venv "$routers_venv"
+  "$routers_venv/bin/pip" install -q vllm-router==0.1.17 smg==1.13.0
+fi
+export KVGATE_ROUTERS_VENV=$routers_venv
 echo "== live routing comparison (kvgate-bench compare; records and plots in $out/compare)"
-"$bench" compare --engines 3 --log-level warn --run-dir "$out/stack" --out "$out/compare" \
-  --policies kv,round-robin,least-load,prefix-only --loads 4,8 \
-  -- --workload shared-prefix --duration 20 --groups 4 --users-per-group 8
+"$bench" compare --engines 3 --time-scale 2 --log-level warn --run-dir "$out/stack" \
+  --out "$out/compare" --policies kv,round-robin,least-load,prefix-only \
+  --routers vllm-router,smg --loads 4,8 \
+  -- --workload shared-prefix --duration 20 --groups 4 --users-per-group 8 --text-prompts
+echo "== live stack request rate through Envoy + EPP (short prompts)"
+e2e/bench/stack_rate.sh 15 64
+echo "== live vs discrete-event replay on a small case"
+LVR_OUT="$out/live-vs-replay" e2e/bench/live_vs_replay.sh
 echo "== discrete-event replay: seed 001's workload, every policy (plots in $out/replay-doks)"
 "$bench" replay --workload doks --engines 3 --preset h200-llama70b-fp8 \
   --policy round-robin,kv,prefix-only,least-load,random --concurrency 60,80,100,120,140,160,180 \

@@ -218,6 +218,12 @@ async fn serve(args: Args) -> Result<(), SimError> {
         num_gpu_blocks = config.num_gpu_blocks, time_scale = args.time_scale,
         "kvgate-sim listening"
     );
+    // TCP_NODELAY, as vLLM's server (asyncio sets it on every TCP connection): without it the
+    // first SSE chunk after the response head waits for the peer's delayed ACK (~40 ms on
+    // Linux), which showed up as a second TTFT mode in live-vs-replay comparisons.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, api::router(app))
         .with_graceful_shutdown(cli_support::shutdown_signal())
         .await
