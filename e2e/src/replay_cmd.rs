@@ -147,17 +147,13 @@ fn plans(args: &ReplayArgs) -> Result<Vec<Plan>, ReplayCmdError> {
                     }
                     // A conversation lasts ≥ 3 turns of ≥ 10 s; twice what the window can use.
                     let sessions = (c as usize) * (2 + stop_s as usize / 15);
-                    let mut workload = workload::doks(&DoksOptions {
+                    let workload = workload::doks(&DoksOptions {
                         sessions,
                         concurrency: c,
                         seed: args.seed,
+                        think: Duration::from_millis(args.think_ms),
                         ..DoksOptions::default()
                     });
-                    for session in &mut workload.sessions {
-                        for turn in session.turns.iter_mut().skip(1) {
-                            turn.think = Duration::from_millis(args.think_ms);
-                        }
-                    }
                     Ok(Plan {
                         workload,
                         load: f64::from(c),

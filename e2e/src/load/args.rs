@@ -81,6 +81,10 @@ pub struct LoadArgs {
     /// No progress line on stderr.
     #[arg(long)]
     pub quiet: bool,
+    /// doks: think time before each follow-up turn, ms (the replay's `--think-ms`; 3000 in its
+    /// seed-001 fidelity calibration).
+    #[arg(long, default_value_t = 0)]
+    pub think_ms: u64,
     /// Send prompts as text, each token id as four ASCII characters, which kvgate-sim's byte
     /// tokenizer maps back to one token per id (for routers that refuse token-id prompts, such
     /// as smg). Prompt lengths and shared prefixes are unchanged; ids themselves differ.
@@ -226,6 +230,7 @@ impl LoadArgs {
                     sessions: self.sessions.unwrap_or(concurrency as usize * 200),
                     concurrency,
                     seed: self.seed,
+                    think: Duration::from_millis(self.think_ms),
                     ..DoksOptions::default()
                 })
             }

@@ -62,6 +62,9 @@ pub struct DoksOptions {
     pub output_tokens: Tokens,
     /// Token ids of the synthesized content.
     pub vocab: Vocab,
+    /// Think time before each follow-up turn (0 in the seed's closed loop; the replay's
+    /// fidelity calibration uses 3 s for the seed's small-model "user").
+    pub think: Duration,
 }
 
 impl Default for DoksOptions {
@@ -77,6 +80,7 @@ impl Default for DoksOptions {
             turns: Tokens::new(3, 5),
             output_tokens: Tokens::new(555, 1_105),
             vocab: Vocab::default(),
+            think: Duration::ZERO,
         }
     }
 }
@@ -127,7 +131,11 @@ pub fn doks(options: &DoksOptions) -> Workload {
                     Turn {
                         user,
                         max_tokens: options.output_tokens.draw(&mut rng).max(1),
-                        think: Duration::ZERO,
+                        think: if k == 0 {
+                            Duration::ZERO
+                        } else {
+                            options.think
+                        },
                     }
                 })
                 .collect();
@@ -208,6 +216,15 @@ mod tests {
                 .flat_map(|s| &s.turns)
                 .all(|t| t.think.is_zero())
         );
+        let thinking = doks(&DoksOptions {
+            sessions: 20,
+            think: Duration::from_millis(3_000),
+            ..DoksOptions::default()
+        });
+        for s in &thinking.sessions {
+            assert!(s.turns[0].think.is_zero());
+            assert!(s.turns[1..].iter().all(|t| t.think == Duration::from_secs(3)));
+        }
     }
 
     #[test]
