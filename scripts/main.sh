@@ -45,7 +45,7 @@ echo "== discrete-event replay: seed 001's workload, every policy (plots in $out
 "$bench" replay --workload doks --engines 3 --preset h200-llama70b-fp8 \
   --policy round-robin,kv,prefix-only,least-load,random --concurrency 60,80,100,120,140,160,180 \
   --request-latency-ms 200 --think-ms 3000 --out "$out/replay-doks.jsonl"
-"$bench" report --in "$out/replay-doks.jsonl" --out "$out/replay-doks" > /dev/null
+"$bench" report --in "$out/replay-doks.jsonl" --out "$out/replay-doks" --warmup 60 > /dev/null
 echo "== discrete-event replay: the Mooncake trace's first 10 minutes on 16 engines at 2.5x"
 "$bench" replay --workload mooncake --engines 16 --preset small --policy round-robin,kv,prefix-only \
   --speedup 2.5 --trace-seconds 600 --out "$out/replay-mooncake.jsonl"
