@@ -133,7 +133,9 @@ pub struct BoundedLoad {
     /// in-flight requests, the mean taken over the candidates with this request counted.
     pub epsilon: f64,
     /// The cap is never below this many in-flight requests (0: the rule as stated). Keeps
-    /// concurrent same-prefix requests together while the pool is nearly idle.
+    /// concurrent same-prefix requests together while the pool is nearly idle. Default 8: an
+    /// engine batches 8 requests at little cost, while a spread request recomputes its prefix;
+    /// measured with the discrete-event replay (`docs/benchmarks.md`, "bounded-load floor").
     pub min_cap: u64,
 }
 
@@ -142,7 +144,7 @@ impl Default for BoundedLoad {
         Self {
             enabled: true,
             epsilon: 0.25,
-            min_cap: 0,
+            min_cap: 8,
         }
     }
 }

@@ -306,7 +306,9 @@ mod tests {
 
     #[test]
     fn bounded_load_overrides_a_hot_candidate() {
-        let config = SchedulerConfig::default();
+        // The rule as stated, without the default floor of 8.
+        let mut config = SchedulerConfig::default();
+        config.bounded_load.min_cap = 0;
         let rng = SeededRng::new(1);
         // Candidate 0 holds the whole prompt but already has 4 requests; mean after = 5/4.
         let mut cands = [

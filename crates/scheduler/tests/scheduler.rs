@@ -552,7 +552,15 @@ fn bounded_load_spreads_a_hot_prefix_and_min_cap_keeps_light_load_together() {
     let mut c = SchedulerConfig::default();
     c.weights.decode = 0.0;
     c.weights.queue = 0.0;
+    // The default floor keeps the first 8 together.
+    let picks = route(c.clone(), 9);
+    assert!(
+        picks[..8].iter().all(|&p| p == (0, Reason::KvHit)),
+        "{picks:?}"
+    );
+    assert_eq!(picks[8].1, Reason::BoundedLoadOverride);
     // The rule as stated: with 1 request in flight over 4 endpoints the cap is 1.
+    c.bounded_load.min_cap = 0;
     let picks = route(c.clone(), 2);
     assert_eq!(picks[0], (0, Reason::KvHit));
     assert_ne!(picks[1].0, 0);

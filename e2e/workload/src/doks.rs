@@ -223,7 +223,11 @@ mod tests {
         });
         for s in &thinking.sessions {
             assert!(s.turns[0].think.is_zero());
-            assert!(s.turns[1..].iter().all(|t| t.think == Duration::from_secs(3)));
+            assert!(
+                s.turns[1..]
+                    .iter()
+                    .all(|t| t.think == Duration::from_secs(3))
+            );
         }
     }
 
