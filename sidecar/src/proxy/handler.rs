@@ -228,17 +228,14 @@ async fn pd(
 
     let prefill_body = Bytes::from(rewrite::to_bytes(&rewrite::prefill_request(api, &original)));
     let path = parts.uri.path().to_owned();
-    let (outcome, waited) = prefill::run(
-        &state.client,
-        &state.prefill,
-        &state.metrics,
+    let call = prefill::Call {
         prefiller,
-        &path,
-        &parts.headers,
-        prefill_body,
-        Leg::Nixl,
-    )
-    .await;
+        path: &path,
+        headers: &parts.headers,
+        body: prefill_body,
+        leg: Leg::Nixl,
+    };
+    let (outcome, waited) = prefill::run(&state.client, &state.prefill, &state.metrics, call).await;
     let params = match outcome? {
         Prefilled::Params(p) => p,
         Prefilled::Refused(status, body) => return Ok(refused(status, body)),

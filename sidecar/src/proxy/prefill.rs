@@ -85,18 +85,36 @@ impl AttemptError {
     }
 }
 
+/// One prefill leg to send.
+#[derive(Debug, Clone)]
+pub struct Call<'a> {
+    /// The prefiller.
+    pub prefiller: SocketAddr,
+    /// The request path (`/v1/completions` or `/v1/chat/completions`).
+    pub path: &'a str,
+    /// The client's headers (hop-by-hop and control headers already removed).
+    pub headers: &'a HeaderMap,
+    /// The rewritten body.
+    pub body: Bytes,
+    /// Which connector's leg.
+    pub leg: Leg,
+}
+
 /// Runs the leg. Returns the outcome and the time spent waiting on the prefiller (attempts and
 /// backoff), which is not the proxy's own overhead.
 pub async fn run(
     client: &Upstream,
     config: &PrefillConfig,
     metrics: &ProxyMetrics,
-    prefiller: SocketAddr,
-    path: &str,
-    headers: &HeaderMap,
-    body: Bytes,
-    leg: Leg,
+    call: Call<'_>,
 ) -> (Result<Prefilled, ProxyError>, Duration) {
+    let Call {
+        prefiller,
+        path,
+        headers,
+        body,
+        leg,
+    } = call;
     let started = Instant::now();
     let mut retrier = Retrier::new(config.retry);
     loop {

@@ -53,16 +53,14 @@ pub async fn run(
     let bytes = Bytes::from(rewrite::to_bytes(&body));
     let path = parts.uri.path().to_owned();
     let prefill_headers = parts.headers.clone();
-    let prefill_leg = prefill::run(
-        &state.client,
-        &state.prefill,
-        &state.metrics,
+    let call = prefill::Call {
         prefiller,
-        &path,
-        &prefill_headers,
-        bytes.clone(),
-        Leg::Bootstrap,
-    );
+        path: &path,
+        headers: &prefill_headers,
+        body: bytes.clone(),
+        leg: Leg::Bootstrap,
+    };
+    let prefill_leg = prefill::run(&state.client, &state.prefill, &state.metrics, call);
     parts.uri = engine_uri(state, &parts.uri)?;
     parts
         .headers
