@@ -15,7 +15,7 @@
 //!
 //! Prefillers outside the allow-list are never contacted ([`ssrf`]).
 //!
-//! Pure parts: [`rewrite`], [`bootstrap`], [`headers`], [`allowlist`], [`retry`]; I/O:
+//! Pure parts: [`rewrite`], [`bootstrap`], [`dual`], [`headers`], [`allowlist`], [`retry`]; I/O:
 //! [`handler`], [`prefill`], [`sglang`], [`server`], [`ssrf::watch`].
 
 pub mod allowlist;
@@ -23,6 +23,7 @@ mod args;
 pub mod body;
 pub mod bootstrap;
 pub mod connector;
+pub mod dual;
 pub mod error;
 pub mod handler;
 pub mod headers;

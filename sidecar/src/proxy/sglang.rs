@@ -7,12 +7,13 @@
 //!    ([`super::bootstrap`]); `stream`, `max_tokens` and the rest stay as the client sent them;
 //! 3. both legs sent **at once**: the prefill leg to the prefiller (retried only while it cannot
 //!    have started, see [`Leg::Bootstrap`]) and the decode leg to the local engine;
-//! 4. the decode answer is released to the client only once the prefill leg succeeded — as
-//!    sgl-router does — and then relayed frame by frame (SSE never buffered). If the prefill leg
-//!    fails, the client gets 502 naming the prefiller and the decode request is dropped (its
-//!    connection closes, so the engine aborts it) instead of leaving the decode engine waiting
-//!    in an empty room; a 4xx from the prefiller is returned as is. A decode answer that fails
-//!    or is not 2xx is returned at once (the prefill leg is dropped).
+//! 4. which answer the client gets is decided by [`Dual`]: the decode answer is released only
+//!    once the prefill leg succeeded — as sgl-router does — and then relayed frame by frame (SSE
+//!    never buffered). If the prefill leg fails, the client gets 502 naming the prefiller and
+//!    the decode request is dropped (its connection closes, so the engine aborts it) instead of
+//!    leaving the decode engine waiting in an empty room; a 4xx from the prefiller is returned
+//!    as is. A decode answer that fails or is not 2xx is returned at once (the prefill leg is
+//!    dropped).
 
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -22,6 +23,7 @@ use axum::http::{HeaderValue, Request, Response, header};
 use bytes::Bytes;
 
 use super::bootstrap::{self, Target};
+use super::dual::{DecodeHead, Dual, PrefillEnd, Verdict};
 use super::error::ProxyError;
 use super::handler::{ProxyState, engine_error, engine_uri, prepare, refused, relay};
 use super::metrics::{InFlight, Mode};
@@ -71,31 +73,66 @@ pub async fn run(
         .request(Request::from_parts(parts, Body::from(bytes)));
     tokio::pin!(prefill_leg, decode_leg);
 
-    let mut decode_head = None;
-    let outcome = loop {
-        tokio::select! {
-            (outcome, _) = &mut prefill_leg => break outcome,
-            answer = &mut decode_leg, if decode_head.is_none() => {
-                let resp = answer.map_err(|e| engine_error(state, &e))?;
-                if !resp.status().is_success() {
-                    tracing::warn!(status = resp.status().as_u16(), "decode engine refused the request; prefill leg dropped");
-                    return Ok(relay(resp, guard));
+    let mut dual = Dual::new();
+    let mut prefill_ended = false;
+    let (mut head, mut decode_error, mut prefill_error, mut refusal) = (None, None, None, None);
+    loop {
+        let verdict = tokio::select! {
+            (outcome, _) = &mut prefill_leg, if !prefill_ended => {
+                prefill_ended = true;
+                match outcome {
+                    Ok(Prefilled::Done | Prefilled::Params(_)) => dual.prefill(PrefillEnd::Done),
+                    Ok(Prefilled::Refused(status, body)) => {
+                        refusal = Some(refused(status, body));
+                        dual.prefill(PrefillEnd::Refused)
+                    }
+                    Err(e) => {
+                        prefill_error = Some(e);
+                        dual.prefill(PrefillEnd::Failed)
+                    }
                 }
-                decode_head = Some(resp);
+            }
+            answer = &mut decode_leg, if dual.awaiting_decode() => match answer {
+                Ok(resp) => {
+                    let kind = if resp.status().is_success() { DecodeHead::Ok } else { DecodeHead::NotOk };
+                    head = Some(resp);
+                    dual.decode(kind)
+                }
+                Err(e) => {
+                    decode_error = Some(engine_error(state, &e));
+                    dual.decode(DecodeHead::Failed)
+                }
+            },
+        };
+        let lost = || ProxyError::Engine("the decode leg's answer was lost".into());
+        match verdict {
+            Verdict::Wait => {}
+            Verdict::Decode => {
+                let resp = head.take().ok_or_else(lost)?;
+                if resp.status().is_success() {
+                    state.metrics.added_latency(
+                        Mode::Pd,
+                        started.elapsed().saturating_sub(dispatched.elapsed()),
+                    );
+                } else {
+                    tracing::warn!(
+                        status = resp.status().as_u16(),
+                        "the decode engine refused the request; prefill leg dropped"
+                    );
+                }
+                return Ok(relay(resp, guard));
+            }
+            Verdict::DecodeFailed => return Err(decode_error.take().unwrap_or_else(lost)),
+            Verdict::PrefillRefused => return refusal.take().ok_or_else(lost),
+            Verdict::PrefillFailed => {
+                return Err(prefill_error
+                    .take()
+                    .unwrap_or_else(|| ProxyError::PrefillFailed {
+                        prefiller: prefiller.to_string(),
+                        attempts: 0,
+                        reason: "the prefill leg's error was lost".into(),
+                    }));
             }
         }
-    };
-    match outcome? {
-        Prefilled::Done | Prefilled::Params(_) => {}
-        Prefilled::Refused(status, body) => return Ok(refused(status, body)),
     }
-    let resp = match decode_head {
-        Some(resp) => resp,
-        None => decode_leg.await.map_err(|e| engine_error(state, &e))?,
-    };
-    state.metrics.added_latency(
-        Mode::Pd,
-        started.elapsed().saturating_sub(dispatched.elapsed()),
-    );
-    Ok(relay(resp, guard))
 }
