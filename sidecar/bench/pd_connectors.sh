@@ -17,14 +17,15 @@ cargo build --release -p kvgate-sidecar --bin kvgate-sidecar >/dev/null
 pre=18251 boot=18252 dec=18253 nixl=18254 nixl_h=18255 sgl=18256 sgl_h=18257
 export RUST_LOG=warn
 list=$(mktemp); echo "127.0.0.1:$pre" > "$list"
+log=$(mktemp)  # the processes' warnings (no NATS here, so the sidecars' bridges complain)
 pids=()
-trap 'kill "${pids[@]}" 2>/dev/null || true; rm -f "$list"' EXIT
+trap 'kill "${pids[@]}" 2>/dev/null || true; rm -f "$list" "$log"' EXIT
 sim() { taskset -c 0 "$target/release/kvgate-sim" --host 127.0.0.1 --model sim --max-waiting 0 \
-  --max-num-seqs 256 --time-scale 1000 "$@" & pids+=($!); }
+  --max-num-seqs 256 --time-scale 1000 "$@" 2>>"$log" & pids+=($!); }
 sim --port $pre --pod-name prefill-0 --disaggregation-mode prefill --disaggregation-bootstrap-port $boot
 sim --port $dec --pod-name decode-0 --disaggregation-mode decode
 sidecar() { taskset -c 0 "$target/release/kvgate-sidecar" --engine-url "http://127.0.0.1:$dec" \
-  --model sim --pool bench --pod decode-0 --prefiller-allow-list "$list" "$@" & pids+=($!); }
+  --model sim --pool bench --pod decode-0 --prefiller-allow-list "$list" "$@" 2>>"$log" & pids+=($!); }
 sidecar --proxy-port $nixl --metrics-port $nixl_h --kv-connector nixlv2
 sidecar --proxy-port $sgl --metrics-port $sgl_h --kv-connector sglang --sglang-bootstrap-port $boot
 for h in $nixl_h $sgl_h; do

@@ -7,11 +7,14 @@
 //! - **prefill**: the request runs as a one-token prefill; when it finishes, its room is marked
 //!   ready with the number of prompt tokens in full blocks (what a decode engine can pull). A
 //!   second listener on `--disaggregation-bootstrap-port` (SGLang's flag, default 8998) answers
-//!   `GET /kvgate/room/{room}` with `{"room", "num_tokens"}` once ready, 404 before;
-//! - **decode**: before the request is scheduled, each prompt's room is polled at
+//!   `GET /kvgate/room/{room}?wait_ms=W` with `{"room", "num_tokens"}` as soon as the room is
+//!   ready (long poll: it holds the request up to `W` ms, at most [`LONG_POLL_MAX`]), 404 if it
+//!   is not by then;
+//! - **decode**: before the request is scheduled, each prompt's room is long-polled at
 //!   `http://{bootstrap_host}:{bootstrap_port}/kvgate/room/{room}` until it is ready (or
 //!   `--disaggregation-bootstrap-timeout-ms` passes: 500), then those tokens are treated as
-//!   pulled, as with vLLM's NIXL `do_remote_prefill` (`cached_tokens`, transfer time).
+//!   pulled, as with vLLM's NIXL `do_remote_prefill` (`cached_tokens`, transfer time). The long
+//!   poll makes the rendezvous event-driven, so the simulator adds no polling delay.
 //!
 //! The room endpoint is the simulator's own, not SGLang's bootstrap-server API: the fidelity
 //! kept is *who meets whom where* (the host, port and room a router wrote), not the wire format
@@ -43,8 +46,12 @@ use super::openai::ApiError;
 pub const SEEN_MAX: usize = 256;
 /// Ready rooms remembered on the prefill side (oldest forgotten first).
 pub const ROOMS_MAX: usize = 4096;
-/// Delay between two polls of a room not yet ready.
+/// Delay before polling again after a poll that failed at once (connection refused).
 const POLL_EVERY: Duration = Duration::from_millis(2);
+/// Longest a room request is held waiting for the room.
+pub const LONG_POLL_MAX: Duration = Duration::from_secs(1);
+/// How long the decode side asks each long poll to wait.
+const LONG_POLL_ASK: Duration = Duration::from_millis(250);
 
 /// SGLang's `--disaggregation-mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize)]
@@ -136,6 +143,7 @@ pub struct Bootstrap {
     pub mode: DisaggMode,
     timeout: Duration,
     rooms: Mutex<Rooms>,
+    ready: tokio::sync::Notify,
     seen: Mutex<VecDeque<Seat>>,
     client: Client<HttpConnector, Body>,
     opened: AtomicU64,
@@ -153,6 +161,7 @@ impl Bootstrap {
             mode,
             timeout,
             rooms: Mutex::default(),
+            ready: tokio::sync::Notify::new(),
             seen: Mutex::default(),
             client: Client::builder(TokioExecutor::new()).build(connector),
             opened: AtomicU64::new(0),
@@ -186,6 +195,23 @@ impl Bootstrap {
                 }
             }
         }
+        self.ready.notify_waiters();
+    }
+
+    /// The room's tokens once ready, waiting up to `wait` for it.
+    async fn wait_for(&self, room: u64, wait: Duration) -> Option<u32> {
+        let deadline = tokio::time::Instant::now() + wait.min(LONG_POLL_MAX);
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(n) = self.lookup(room) {
+                return Some(n);
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.lookup(room);
+            }
+        }
     }
 
     fn lookup(&self, room: u64) -> Option<u32> {
@@ -197,15 +223,20 @@ impl Bootstrap {
     pub async fn join(&self, seat: &Seat) -> Result<u32, ApiError> {
         let deadline = Instant::now() + self.timeout;
         let uri: Uri = format!(
-            "http://{}:{}/kvgate/room/{}",
-            seat.host, seat.port, seat.room
+            "http://{}:{}/kvgate/room/{}?wait_ms={}",
+            seat.host,
+            seat.port,
+            seat.room,
+            LONG_POLL_ASK.as_millis()
         )
         .parse()
         .map_err(|_| {
             ApiError::bad_request(format!("bootstrap_host {:?} is not a host", seat.host))
         })?;
         loop {
-            if let Some(n) = self.poll(&uri).await {
+            let asked = Instant::now();
+            let remaining = deadline.saturating_duration_since(asked);
+            if let Ok(Some(n)) = tokio::time::timeout(remaining, self.poll(&uri)).await {
                 self.joined.fetch_add(1, Ordering::Relaxed);
                 return Ok(n);
             }
@@ -222,7 +253,9 @@ impl Bootstrap {
                     ),
                 });
             }
-            tokio::time::sleep(POLL_EVERY).await;
+            if asked.elapsed() < POLL_EVERY {
+                tokio::time::sleep(POLL_EVERY).await;
+            }
         }
     }
 
@@ -278,15 +311,23 @@ impl Bootstrap {
     }
 }
 
-/// The prefill side's bootstrap listener: `GET /kvgate/room/{room}`.
+/// The prefill side's bootstrap listener: `GET /kvgate/room/{room}?wait_ms=W`.
 pub fn router(b: Arc<Bootstrap>) -> Router {
     Router::new()
         .route("/kvgate/room/{room}", get(room))
         .with_state(b)
 }
 
-async fn room(State(b): State<Arc<Bootstrap>>, Path(room): Path<u64>) -> Response {
-    match b.lookup(room) {
+/// The `wait_ms` query parameter (0 when absent or malformed).
+fn wait_ms(uri: &Uri) -> u64 {
+    uri.query()
+        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("wait_ms=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn room(State(b): State<Arc<Bootstrap>>, Path(room): Path<u64>, uri: Uri) -> Response {
+    match b.wait_for(room, Duration::from_millis(wait_ms(&uri))).await {
         Some(n) => axum::Json(json!({"room": room, "num_tokens": n})).into_response(),
         None => StatusCode::NOT_FOUND.into_response(),
     }
@@ -363,6 +404,35 @@ mod tests {
         b.record(&vec![seat; SEEN_MAX + 5]);
         assert_eq!(b.seen_json()["seen"].as_array().unwrap().len(), SEEN_MAX);
         assert_eq!(b.seen_json()["mode"], "prefill");
+    }
+
+    #[test]
+    fn wait_ms_is_read_from_the_query() {
+        let uri = |s: &str| s.parse::<Uri>().unwrap();
+        assert_eq!(wait_ms(&uri("/kvgate/room/1?wait_ms=250")), 250);
+        assert_eq!(wait_ms(&uri("/kvgate/room/1?x=1&wait_ms=7")), 7);
+        assert_eq!(wait_ms(&uri("/kvgate/room/1")), 0);
+        assert_eq!(wait_ms(&uri("/kvgate/room/1?wait_ms=-3")), 0);
+    }
+
+    #[tokio::test]
+    async fn a_long_poll_answers_as_soon_as_the_room_is_ready() {
+        let b = Arc::new(Bootstrap::new(
+            DisaggMode::Prefill,
+            Duration::from_millis(1),
+        ));
+        assert_eq!(b.wait_for(5, Duration::from_millis(20)).await, None);
+        let waiter = {
+            let b = b.clone();
+            tokio::spawn(async move { b.wait_for(5, Duration::from_secs(5)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        b.room_ready(6, 32);
+        b.room_ready(5, 16);
+        let started = Instant::now();
+        assert_eq!(waiter.await.unwrap(), Some(16));
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert_eq!(b.wait_for(5, Duration::ZERO).await, Some(16));
     }
 
     #[tokio::test]
