@@ -89,7 +89,7 @@ pub async fn run(
         // No list and protection on: every P/D request is refused until one is configured.
         None => SsrfPolicy::AllowList(Arc::new(LiveAllowList::default())),
     };
-    let metrics = Arc::new(ProxyMetrics::new(live.clone()));
+    let metrics = Arc::new(ProxyMetrics::new(live.clone()).with_connector(p.kv_connector));
     let parts = Parts {
         readiness,
         metrics: metrics.clone(),
@@ -109,6 +109,8 @@ pub async fn run(
                 timeout: Duration::from_millis(p.prefill_timeout_ms),
                 max_body: p.proxy_max_body_bytes,
             },
+            connector: p.kv_connector,
+            bootstrap_port: p.sglang_bootstrap_port,
             max_body: p.proxy_max_body_bytes,
             metrics: metrics.clone(),
         });

@@ -1,5 +1,6 @@
-//! The HTTP API: OpenAI completions and chat (streaming and not), models, health, metrics, and
-//! vLLM's `/reset_prefix_cache`.
+//! The HTTP API: OpenAI completions and chat (streaming and not), models, health, metrics,
+//! vLLM's `/reset_prefix_cache`, and `/sim/bootstrap` (the SGLang P/D seats seen, see
+//! [`super::bootstrap`]).
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,6 +19,7 @@ use serde_json::{Value, json};
 use tokenize::{ChatOptions, TextTokenizer};
 use tokio::sync::mpsc;
 
+use super::bootstrap::{Bootstrap, DisaggMode, Seat};
 use super::clock::Clock;
 use super::driver::{Driver, Submit, SubmitError, Ticket, Update};
 use super::metrics::{Finish, RequestTimings, SimMetrics};
@@ -69,6 +71,8 @@ pub struct App {
     pub next_id: AtomicU64,
     /// Randomness for output and faults.
     pub rng: Mutex<SplitMix>,
+    /// SGLang bootstrap P/D role and rooms.
+    pub bootstrap: Arc<Bootstrap>,
 }
 
 /// Fault injection settings.
@@ -94,7 +98,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
-        .route("/reset_prefix_cache", post(reset_prefix_cache));
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/sim/bootstrap", get(bootstrap_seen));
     if app.faults.crash_endpoint {
         r = r.route("/sim/crash", post(crash));
     }
@@ -124,12 +129,17 @@ async fn health(State(app): State<Arc<App>>) -> StatusCode {
     }
 }
 
+async fn bootstrap_seen(State(app): State<Arc<App>>) -> Json<Value> {
+    Json(app.bootstrap.seen_json())
+}
+
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    let text = app.metrics.render(
+    let mut text = app.metrics.render(
         &app.driver.stats(),
         app.publisher.as_deref(),
         &app.driver.lag(),
     );
+    app.bootstrap.render(&mut text);
     (
         [(
             header::CONTENT_TYPE,
@@ -178,6 +188,10 @@ struct Prepared {
     prompts: Vec<Vec<u32>>,
     max_tokens: Option<u32>,
     common: Common,
+    /// SGLang bootstrap seats, one per prompt (set by [`App::rendezvous`]).
+    seats: Option<Vec<Seat>>,
+    /// Decode role: the tokens each prompt's room held (set by [`App::rendezvous`]).
+    pulled: Option<Vec<u32>>,
 }
 
 async fn completions(State(app): State<Arc<App>>, req: Request) -> Response {
@@ -201,6 +215,8 @@ async fn completions(State(app): State<Arc<App>>, req: Request) -> Response {
             prompts,
             max_tokens: Some(r.max_tokens.unwrap_or(16)),
             common: r.common,
+            seats: None,
+            pulled: None,
         })
     }
     .await;
@@ -233,6 +249,8 @@ async fn chat(State(app): State<Arc<App>>, req: Request) -> Response {
             prompts: vec![ids],
             max_tokens: r.max_completion_tokens.or(r.max_tokens),
             common: r.common,
+            seats: None,
+            pulled: None,
         })
     }
     .await;
@@ -320,7 +338,65 @@ impl App {
         resp
     }
 
+    /// Reads the SGLang bootstrap seats; in the decode role, waits until every room is ready.
+    async fn rendezvous(&self, mut p: Prepared) -> Result<Prepared, ApiError> {
+        let c = &p.common;
+        p.seats = super::bootstrap::seats(
+            c.bootstrap_host.as_ref(),
+            c.bootstrap_port.as_ref(),
+            c.bootstrap_room.as_ref(),
+            p.prompts.len(),
+        )?;
+        let Some(seats) = &p.seats else { return Ok(p) };
+        self.bootstrap.record(seats);
+        if self.bootstrap.mode == DisaggMode::Null {
+            return Ok(p);
+        }
+        if p.common.kv_transfer_params.is_some() {
+            return Err(ApiError::bad_request(
+                "kv_transfer_params and bootstrap fields are exclusive",
+            ));
+        }
+        if self.bootstrap.mode == DisaggMode::Decode {
+            let mut pulled = Vec::with_capacity(seats.len());
+            for seat in seats {
+                pulled.push(self.bootstrap.join(seat).await?);
+            }
+            p.pulled = Some(pulled);
+        }
+        Ok(p)
+    }
+
+    /// The KV-transfer role of prompt `i`: SGLang's bootstrap role when the request has seats
+    /// (and this server a disaggregation mode), else the request's NIXL parameters.
+    fn transfer_of(
+        &self,
+        p: &Prepared,
+        i: usize,
+        prompt_len: u32,
+        nixl: Option<KvTransfer>,
+    ) -> Option<KvTransfer> {
+        if p.seats.is_none() {
+            return nixl;
+        }
+        let full_blocks = prompt_len / self.block_size.max(1) * self.block_size;
+        match self.bootstrap.mode {
+            DisaggMode::Null => nixl,
+            DisaggMode::Prefill => Some(KvTransfer::PrefillOnly),
+            DisaggMode::Decode => {
+                let pulled = p.pulled.as_ref().and_then(|v| v.get(i)).copied();
+                pulled.map(|n| KvTransfer::RemotePrefill {
+                    num_tokens: n.min(full_blocks),
+                })
+            }
+        }
+    }
+
     async fn respond(self: &Arc<Self>, prepared: Result<Prepared, ApiError>) -> Response {
+        let prepared = match prepared {
+            Ok(p) => self.rendezvous(p).await,
+            Err(e) => Err(e),
+        };
         let resp = match prepared {
             Ok(p) => match self.start(p) {
                 Ok(run) => run.into_response(self).await,
@@ -348,11 +424,19 @@ impl App {
         if p.prompts.is_empty() {
             return Err(ApiError::bad_request("prompt must not be empty"));
         }
-        let transfer = kv_transfer(p.common.kv_transfer_params.as_ref(), self.block_size)?;
+        let nixl = kv_transfer(p.common.kv_transfer_params.as_ref(), self.block_size)?;
         let mut tickets = Vec::with_capacity(p.prompts.len());
         let mut prompt_lens = Vec::with_capacity(p.prompts.len());
-        for prompt in p.prompts {
+        let mut ready_rooms = Vec::with_capacity(p.prompts.len());
+        for (i, prompt) in p.prompts.iter().enumerate() {
             let len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+            let transfer = self.transfer_of(&p, i, len, nixl);
+            ready_rooms.push(match (transfer, p.seats.as_ref().and_then(|s| s.get(i))) {
+                (Some(KvTransfer::PrefillOnly), Some(seat)) if p.pulled.is_none() => {
+                    Some((seat.room, len / self.block_size.max(1) * self.block_size))
+                }
+                _ => None,
+            });
             if len == 0 {
                 return Err(ApiError::bad_request("prompt must not be empty"));
             }
@@ -395,7 +479,7 @@ impl App {
                     kv_transfer: transfer,
                 })
                 .map_err(|e| self.submit_error(e))?;
-            tickets.push((ticket, stop, prompt));
+            tickets.push((ticket, stop, prompt.clone()));
             prompt_lens.push(len);
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -418,6 +502,7 @@ impl App {
             options: p.common.stream_options.unwrap_or_default(),
             return_token_ids: p.common.return_token_ids,
             tickets,
+            ready_rooms,
             stall,
         })
     }
@@ -491,6 +576,9 @@ struct Run {
     return_token_ids: bool,
     /// Per prompt: the ticket, whether it ends on EOS, the prompt ids.
     tickets: Vec<(Ticket, bool, Vec<u32>)>,
+    /// Per prompt, SGLang prefill role: the room to mark ready when it finishes, with the
+    /// tokens it holds.
+    ready_rooms: Vec<Option<(u64, u32)>>,
     stall: bool,
 }
 
@@ -559,6 +647,9 @@ impl Run {
                 .into_response();
             }
             Self::record(app, ticket.arrival, &c, *stop);
+            if let Some(Some((room, n))) = self.ready_rooms.get(index) {
+                app.bootstrap.room_ready(*room, *n);
+            }
             prompt_tokens += prompt.len() as u32;
             completion += c.tokens.len() as u32;
             cached += c.cached;
@@ -713,6 +804,9 @@ impl Run {
             }
             if u.finished {
                 Self::record(&app, arrival, c, stop);
+                if let Some(Some((room, n))) = self.ready_rooms.get(index) {
+                    app.bootstrap.room_ready(*room, *n);
+                }
             }
         }
         if choices.iter().any(|c| !c.finished) {

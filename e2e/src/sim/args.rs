@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use engine_model::Preset;
 
+use super::bootstrap::DisaggMode;
 use super::kv_config::KvEventsConfig;
 
 /// KV-event wire layout.
@@ -119,6 +120,17 @@ pub struct Args {
     /// P/D: KV transfer bandwidth from a remote prefill engine, in GB/s (default: the preset's).
     #[arg(long)]
     pub kv_transfer_gbps: Option<f64>,
+    /// SGLang P/D role for requests carrying bootstrap_host/port/room: `null` (record them only),
+    /// `prefill` (one-token prefill, serve the room) or `decode` (wait for the room, then decode
+    /// with the pulled KV).
+    #[arg(long, value_enum, default_value_t = DisaggMode::Null)]
+    pub disaggregation_mode: DisaggMode,
+    /// SGLang P/D, prefill role: the bootstrap port rooms are served on (SGLang's default 8998).
+    #[arg(long, default_value_t = 8998)]
+    pub disaggregation_bootstrap_port: u16,
+    /// SGLang P/D, decode role: how long (wall ms) to wait for a room to become ready.
+    #[arg(long, default_value_t = 30_000)]
+    pub disaggregation_bootstrap_timeout_ms: u64,
     /// Seed for generated output and fault injection.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

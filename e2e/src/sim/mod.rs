@@ -4,10 +4,12 @@
 //! vLLM's metrics; the engine model (crate `kvgate-engine-model`) decides batching, caching and
 //! step times in model time, which [`driver`] maps to wall time through a time scale; cache
 //! events leave through [`publisher`] as vLLM's ZMQ KV events, hashed with vLLM's own
-//! `sha256_cbor` ([`vllm_hash`]) and encoded byte for byte as vLLM does ([`events`]).
+//! `sha256_cbor` ([`vllm_hash`]) and encoded byte for byte as vLLM does ([`events`]). Besides
+//! vLLM's NIXL P/D parameters it plays SGLang's bootstrap-based P/D roles ([`bootstrap`]).
 
 pub mod api;
 pub mod args;
+pub mod bootstrap;
 pub mod clock;
 pub mod driver;
 pub mod events;
@@ -168,6 +170,26 @@ async fn serve(args: Args) -> Result<(), SimError> {
         .pod_name
         .clone()
         .unwrap_or_else(|| format!("kvgate-sim-{}", args.port));
+    let bootstrap = Arc::new(bootstrap::Bootstrap::new(
+        args.disaggregation_mode,
+        Duration::from_millis(args.disaggregation_bootstrap_timeout_ms),
+    ));
+    if args.disaggregation_mode == bootstrap::DisaggMode::Prefill {
+        let addr = std::net::SocketAddr::new(args.host, args.disaggregation_bootstrap_port);
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| SimError::Io {
+                context: format!("binding the bootstrap port {addr}"),
+                source,
+            })?;
+        tracing::info!(%addr, "serving SGLang bootstrap rooms");
+        let rooms = bootstrap::router(bootstrap.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, rooms).await {
+                tracing::error!(error = %e, "bootstrap listener failed");
+            }
+        });
+    }
     let app = Arc::new(App {
         driver: driver.clone(),
         tokenizer,
@@ -205,6 +227,7 @@ async fn serve(args: Args) -> Result<(), SimError> {
         ready_at: Instant::now() + Duration::from_millis(args.ready_delay_ms),
         next_id: Default::default(),
         rng: Mutex::new(SplitMix::new(args.seed)),
+        bootstrap: bootstrap.clone(),
     });
     let addr = std::net::SocketAddr::new(args.host, args.port);
     let listener = tokio::net::TcpListener::bind(addr)

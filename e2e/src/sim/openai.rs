@@ -52,6 +52,12 @@ pub struct Common {
     /// Return the prompt and output token ids (vLLM ≥ 0.10).
     #[serde(default)]
     pub return_token_ids: bool,
+    /// SGLang P/D: the prefill server's host (a list for a batch).
+    pub bootstrap_host: Option<serde_json::Value>,
+    /// SGLang P/D: its bootstrap port (a list for a batch).
+    pub bootstrap_port: Option<serde_json::Value>,
+    /// SGLang P/D: the rendezvous room (a list for a batch).
+    pub bootstrap_room: Option<serde_json::Value>,
 }
 
 /// `POST /v1/completions`.

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use crate::health::HealthArgs;
 
+use super::bootstrap::DEFAULT_BOOTSTRAP_PORT;
+use super::connector::Connector;
 use super::retry::RetryPolicy;
 
 /// Default request-body bound: 16 MiB.
@@ -41,6 +43,15 @@ pub struct ProxyArgs {
     /// Contact any prefiller the header names (turns SSRF protection off; trusted networks only).
     #[arg(long)]
     pub disable_ssrf_protection: bool,
+    /// P/D protocol for requests naming a prefiller: `nixlv2` (vLLM NIXL connector: prefill,
+    /// then decode with the returned kv_transfer_params) or `sglang` (SGLang bootstrap: the
+    /// request with bootstrap_host/port/room sent to prefiller and engine at once).
+    #[arg(long, value_enum, default_value_t = Connector::Nixlv2)]
+    pub kv_connector: Connector,
+    /// `--kv-connector sglang`: the prefill servers' bootstrap port (SGLang's
+    /// `--disaggregation-bootstrap-port`; one port for every prefiller of the pool).
+    #[arg(long, env = "SGLANG_BOOTSTRAP_PORT", default_value_t = DEFAULT_BOOTSTRAP_PORT)]
+    pub sglang_bootstrap_port: u16,
     /// Health, readiness and drain.
     #[command(flatten)]
     pub health: HealthArgs,
@@ -59,6 +70,9 @@ impl ProxyArgs {
             return Err(
                 "--prefill-timeout-ms and --upstream-connect-timeout-ms must be positive".into(),
             );
+        }
+        if self.sglang_bootstrap_port == 0 {
+            return Err("--sglang-bootstrap-port must be positive".into());
         }
         if self.allow_list_poll_ms == 0 {
             return Err("--allow-list-poll-ms must be positive".into());

@@ -1,5 +1,6 @@
-//! The request handler on :8000: pass-through to the local engine, or the P/D flow when the
-//! request names a prefiller (`x-prefiller-host-port`).
+//! The request handler on :8000: pass-through to the local engine, or the P/D flow of the
+//! configured connector when the request names a prefiller (`x-prefiller-host-port`): vLLM's
+//! NIXL flow here, SGLang's bootstrap flow in [`super::sglang`].
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,10 +12,11 @@ use bytes::Bytes;
 use tracing::Instrument as _;
 
 use super::body::{Tracked, collect, is_over_limit, limited};
+use super::connector::Connector;
 use super::error::ProxyError;
 use super::headers::{PREFILLER_HEADER, Prefiller, prefiller, strip_hop_by_hop};
 use super::metrics::{InFlight, Mode, ProxyMetrics};
-use super::prefill::{self, PrefillConfig, Prefilled};
+use super::prefill::{self, Leg, PrefillConfig, Prefilled};
 use super::rewrite::{self, Api};
 use super::ssrf::SsrfPolicy;
 use super::upstream::Upstream;
@@ -30,6 +32,10 @@ pub struct ProxyState {
     pub ssrf: SsrfPolicy,
     /// The prefill leg's settings.
     pub prefill: PrefillConfig,
+    /// The P/D protocol.
+    pub connector: Connector,
+    /// The prefill servers' bootstrap port (SGLang connector).
+    pub bootstrap_port: u16,
     /// Largest request body accepted.
     pub max_body: usize,
     /// Counters.
@@ -64,11 +70,23 @@ pub async fn handle(State(state): State<Arc<ProxyState>>, req: Request<Body>) ->
             )
         }
         Ok(Some(addr)) => {
-            let span = tracing::info_span!("proxy", mode = "pd", %request_id, prefiller = %addr);
-            (
-                Mode::Pd,
-                pd(&state, req, addr, started, guard).instrument(span).await,
-            )
+            let span = tracing::info_span!(
+                "proxy",
+                mode = "pd",
+                connector = state.connector.label(),
+                %request_id,
+                prefiller = %addr,
+                bootstrap_room = tracing::field::Empty,
+            );
+            let flow = async {
+                match state.connector {
+                    Connector::Nixlv2 => pd(&state, req, addr, started, guard).await,
+                    Connector::Sglang => {
+                        super::sglang::run(&state, req, addr, started, guard).await
+                    }
+                }
+            };
+            (Mode::Pd, flow.instrument(span).await)
         }
         Err(e) => (Mode::Pd, Err(e)),
     };
@@ -83,7 +101,8 @@ pub async fn handle(State(state): State<Arc<ProxyState>>, req: Request<Body>) ->
     resp
 }
 
-fn engine_uri(state: &ProxyState, uri: &Uri) -> Result<Uri, ProxyError> {
+/// The local engine's URI for a request target.
+pub(super) fn engine_uri(state: &ProxyState, uri: &Uri) -> Result<Uri, ProxyError> {
     let pq = uri.path_and_query().map_or("/", |pq| pq.as_str());
     format!("http://{}{pq}", state.engine)
         .parse()
@@ -100,25 +119,49 @@ async fn to_engine(
     guard: InFlight,
 ) -> Result<Response<Body>, ProxyError> {
     let sent = Instant::now();
-    let resp = state.client.request(req).await.map_err(|e| {
-        if is_over_limit(&e) {
-            ProxyError::TooLarge {
-                limit: state.max_body,
-            }
-        } else {
-            ProxyError::Engine(super::prefill::error_chain(&e))
-        }
-    })?;
+    let resp = state
+        .client
+        .request(req)
+        .await
+        .map_err(|e| engine_error(state, &e))?;
     let waited = upstream_before + sent.elapsed();
     state
         .metrics
         .added_latency(mode, started.elapsed().saturating_sub(waited));
+    Ok(relay(resp, guard))
+}
+
+/// The error a failed engine request is.
+pub(super) fn engine_error(
+    state: &ProxyState,
+    e: &hyper_util::client::legacy::Error,
+) -> ProxyError {
+    if is_over_limit(e) {
+        ProxyError::TooLarge {
+            limit: state.max_body,
+        }
+    } else {
+        ProxyError::Engine(super::prefill::error_chain(e))
+    }
+}
+
+/// An engine's answer as the client gets it: hop-by-hop headers removed, the body relayed frame
+/// by frame while the request stays counted in flight.
+pub(super) fn relay(resp: Response<hyper::body::Incoming>, guard: InFlight) -> Response<Body> {
     let (mut parts, incoming) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
-    Ok(Response::from_parts(
-        parts,
-        Body::new(Tracked::new(incoming, guard)),
-    ))
+    Response::from_parts(parts, Body::new(Tracked::new(incoming, guard)))
+}
+
+/// The prefiller's own 4xx answer, returned to the client as is.
+pub(super) fn refused(status: axum::http::StatusCode, body: Bytes) -> Response<Body> {
+    let mut resp = Response::new(Body::from(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
 }
 
 async fn passthrough(
@@ -153,14 +196,15 @@ async fn passthrough(
     .await
 }
 
-async fn pd(
+/// The common start of every P/D flow: the SSRF check (before anything else, so a refused
+/// prefiller is never contacted), the generation API, the bounded body parsed as a JSON object,
+/// and the request head with hop-by-hop, control and length headers removed.
+pub(super) async fn prepare(
     state: &ProxyState,
     req: Request<Body>,
-    prefiller: std::net::SocketAddr,
-    started: Instant,
-    guard: InFlight,
-) -> Result<Response<Body>, ProxyError> {
-    state.ssrf.check(&prefiller)?;
+    prefiller: &std::net::SocketAddr,
+) -> Result<(axum::http::request::Parts, Api, rewrite::Request), ProxyError> {
+    state.ssrf.check(prefiller)?;
     let api = Api::from_path(req.uri().path())
         .ok_or_else(|| ProxyError::BadBody("not a generation path".into()))?;
     let (mut parts, body) = req.into_parts();
@@ -170,29 +214,38 @@ async fn pd(
     strip_hop_by_hop(&mut parts.headers);
     parts.headers.remove(PREFILLER_HEADER);
     parts.headers.remove(header::CONTENT_LENGTH);
+    Ok((parts, api, original))
+}
+
+async fn pd(
+    state: &ProxyState,
+    req: Request<Body>,
+    prefiller: std::net::SocketAddr,
+    started: Instant,
+    guard: InFlight,
+) -> Result<Response<Body>, ProxyError> {
+    let (mut parts, api, original) = prepare(state, req, &prefiller).await?;
 
     let prefill_body = Bytes::from(rewrite::to_bytes(&rewrite::prefill_request(api, &original)));
     let path = parts.uri.path().to_owned();
-    let (outcome, waited) = prefill::run(
-        &state.client,
-        &state.prefill,
-        &state.metrics,
+    let call = prefill::Call {
         prefiller,
-        &path,
-        &parts.headers,
-        prefill_body,
-    )
-    .await;
+        path: &path,
+        headers: &parts.headers,
+        body: prefill_body,
+        leg: Leg::Nixl,
+    };
+    let (outcome, waited) = prefill::run(&state.client, &state.prefill, &state.metrics, call).await;
     let params = match outcome? {
         Prefilled::Params(p) => p,
-        Prefilled::Refused(status, body) => {
-            let mut resp = Response::new(Body::from(body));
-            *resp.status_mut() = status;
-            resp.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            return Ok(resp);
+        Prefilled::Refused(status, body) => return Ok(refused(status, body)),
+        // A NIXL leg answers with params or fails; `Done` belongs to the bootstrap leg.
+        Prefilled::Done => {
+            return Err(ProxyError::PrefillFailed {
+                prefiller: prefiller.to_string(),
+                attempts: 1,
+                reason: "the prefill answer carried no kv_transfer_params".into(),
+            });
         }
     };
     tracing::debug!(?params, "prefill done");

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
+use super::connector::Connector;
 use super::retry::Failure;
 use super::ssrf::LiveAllowList;
 
@@ -73,6 +74,7 @@ pub struct ProxyMetrics {
     drain_seconds_bits: AtomicU64,
     drain_started: std::sync::OnceLock<std::time::Instant>,
     allow_list: Option<Arc<LiveAllowList>>,
+    connector: Connector,
 }
 
 /// Decrements the in-flight gauge when the response (body included) is done.
@@ -92,6 +94,11 @@ impl ProxyMetrics {
             allow_list,
             ..Self::default()
         }
+    }
+
+    /// The same metrics, reporting `connector` as the P/D protocol in force.
+    pub fn with_connector(self, connector: Connector) -> Self {
+        Self { connector, ..self }
     }
 
     /// Counts a request in flight until the guard drops.
@@ -232,6 +239,15 @@ impl ProxyMetrics {
                 live.errors.load(Ordering::Relaxed).to_string(),
             );
         }
+        let n = "kvgate_sidecar_proxy_connector_info";
+        let _ = writeln!(
+            out,
+            "# HELP {n} The P/D connector protocol in force (1 for the one in use).\n# TYPE {n} gauge"
+        );
+        for c in Connector::ALL {
+            let v = u8::from(c == self.connector);
+            let _ = writeln!(out, "{n}{{connector=\"{}\"}} {v}", c.label());
+        }
         let n = "kvgate_sidecar_proxy_prefill_failures_total";
         let _ = writeln!(
             out,
@@ -275,6 +291,8 @@ mod tests {
             "kvgate_sidecar_proxy_added_latency_seconds_count{mode=\"passthrough\"} 2",
             "kvgate_sidecar_proxy_prefill_failures_total{reason=\"status_503\"} 1",
             "kvgate_sidecar_proxy_in_flight 1",
+            "kvgate_sidecar_proxy_connector_info{connector=\"nixlv2\"} 1",
+            "kvgate_sidecar_proxy_connector_info{connector=\"sglang\"} 0",
         ] {
             assert!(out.lines().any(|l| l == line), "missing {line}\n{out}");
         }

@@ -1,5 +1,7 @@
 //! The prefill leg of the P/D flow: the rewritten request to the named prefiller, retried per
-//! [`RetryPolicy`], answered by the `kv_transfer_params` the decode leg needs.
+//! [`RetryPolicy`]. For the NIXL connector it is answered by the `kv_transfer_params` the decode
+//! leg needs; for SGLang's bootstrap connector any 2xx answer means the prefill is done (the KV
+//! moved between the engines themselves).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -28,11 +30,39 @@ pub struct PrefillConfig {
     pub max_body: usize,
 }
 
+/// Which connector's prefill leg this is: what a successful answer must contain, and which
+/// failures may be retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Leg {
+    /// vLLM NIXL: the answer must carry `kv_transfer_params`; every retryable failure is retried.
+    Nixl,
+    /// SGLang bootstrap: any 2xx answer will do. Only failures where the prefiller cannot have
+    /// started the request (connect errors, 502/503/504) are retried: a retry reuses the room
+    /// the decode engine is waiting in, and two prefills in one room must never happen, so a
+    /// timeout or a connection broken mid-request is final.
+    Bootstrap,
+}
+
+impl Leg {
+    /// Whether this leg may try again after `failure`.
+    pub fn may_retry(self, failure: Failure) -> bool {
+        match self {
+            Self::Nixl => failure.retryable(),
+            Self::Bootstrap => matches!(
+                failure,
+                Failure::Connect | Failure::Status502 | Failure::Status503 | Failure::Status504
+            ),
+        }
+    }
+}
+
 /// How the leg ended, when it did not fail.
 #[derive(Debug)]
 pub enum Prefilled {
-    /// The params for the decode leg.
+    /// The params for the decode leg (NIXL).
     Params(Value),
+    /// The prefiller answered 2xx (SGLang bootstrap).
+    Done,
     /// The prefiller refused the request itself (4xx): the client gets that answer as is.
     Refused(StatusCode, Bytes),
 }
@@ -55,17 +85,36 @@ impl AttemptError {
     }
 }
 
+/// One prefill leg to send.
+#[derive(Debug, Clone)]
+pub struct Call<'a> {
+    /// The prefiller.
+    pub prefiller: SocketAddr,
+    /// The request path (`/v1/completions` or `/v1/chat/completions`).
+    pub path: &'a str,
+    /// The client's headers (hop-by-hop and control headers already removed).
+    pub headers: &'a HeaderMap,
+    /// The rewritten body.
+    pub body: Bytes,
+    /// Which connector's leg.
+    pub leg: Leg,
+}
+
 /// Runs the leg. Returns the outcome and the time spent waiting on the prefiller (attempts and
 /// backoff), which is not the proxy's own overhead.
 pub async fn run(
     client: &Upstream,
     config: &PrefillConfig,
     metrics: &ProxyMetrics,
-    prefiller: SocketAddr,
-    path: &str,
-    headers: &HeaderMap,
-    body: Bytes,
+    call: Call<'_>,
 ) -> (Result<Prefilled, ProxyError>, Duration) {
+    let Call {
+        prefiller,
+        path,
+        headers,
+        body,
+        leg,
+    } = call;
     let started = Instant::now();
     let mut retrier = Retrier::new(config.retry);
     loop {
@@ -73,7 +122,7 @@ pub async fn run(
         metrics.prefill_attempt();
         let result = tokio::time::timeout(
             config.timeout,
-            once(client, config, prefiller, path, headers, body.clone()),
+            once(client, config, prefiller, path, headers, body.clone(), leg),
         )
         .await
         .unwrap_or_else(|_| {
@@ -83,7 +132,7 @@ pub async fn run(
             ))
         });
         let err = match result {
-            Ok(params) => return (Ok(Prefilled::Params(params)), started.elapsed()),
+            Ok(done) => return (Ok(done), started.elapsed()),
             Err(e) => e,
         };
         metrics.prefill_failure(err.failure);
@@ -91,7 +140,12 @@ pub async fn run(
         if let Some((status, body)) = err.refused {
             return (Ok(Prefilled::Refused(status, body)), started.elapsed());
         }
-        match retrier.after_failure(err.failure) {
+        let step = if leg.may_retry(err.failure) {
+            retrier.after_failure(err.failure)
+        } else {
+            Step::GiveUp
+        };
+        match step {
             Step::RetryAfter(delay) => tokio::time::sleep(delay).await,
             Step::GiveUp => {
                 let e = ProxyError::PrefillFailed {
@@ -112,7 +166,8 @@ async fn once(
     path: &str,
     headers: &HeaderMap,
     body: Bytes,
-) -> Result<Value, AttemptError> {
+    leg: Leg,
+) -> Result<Prefilled, AttemptError> {
     let uri: Uri = format!("http://{prefiller}{path}")
         .parse()
         .map_err(|e| AttemptError::new(Failure::Connect, format!("bad prefiller URI: {e}")))?;
@@ -166,8 +221,12 @@ async fn once(
         }
         return Err(err);
     }
-    rewrite::transfer_params(&bytes)
-        .map_err(|e| AttemptError::new(Failure::BadResponse, e.to_string()))
+    match leg {
+        Leg::Nixl => rewrite::transfer_params(&bytes)
+            .map(Prefilled::Params)
+            .map_err(|e| AttemptError::new(Failure::BadResponse, e.to_string())),
+        Leg::Bootstrap => Ok(Prefilled::Done),
+    }
 }
 
 /// An error and its causes on one line (`a: b: c`).
@@ -180,4 +239,35 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
         cur = c.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::panic
+    )]
+    use super::*;
+
+    #[test]
+    fn bootstrap_legs_retry_only_what_never_reached_the_prefiller() {
+        for f in Failure::ALL {
+            assert_eq!(Leg::Nixl.may_retry(f), f.retryable(), "{f:?}");
+        }
+        let retried: Vec<Failure> = Failure::ALL
+            .into_iter()
+            .filter(|f| Leg::Bootstrap.may_retry(*f))
+            .collect();
+        assert_eq!(
+            retried,
+            vec![
+                Failure::Connect,
+                Failure::Status502,
+                Failure::Status503,
+                Failure::Status504
+            ]
+        );
+    }
 }
