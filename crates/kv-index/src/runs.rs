@@ -18,8 +18,8 @@
 //! rewrites the entry; anything else that touches the residency (its removal, eviction, a
 //! second holder arriving, a write by another thread) zeroes it. Every rewrite checks the key
 //! at the position first, so a position overwritten since (the log wraps) is left alone. The
-//! log grows while more than half its entries are live, else wraps, so it stays within twice
-//! its holder's accelerated residencies (9 bytes per entry).
+//! log grows by a quarter while more than half its entries are live, else wraps, so it stays
+//! under 2.5 times its holder's accelerated residencies when it last grew (9 bytes per entry).
 //!
 //! Concurrency: a log sits behind its own `RwLock`. Appends and rewrites take it exclusively
 //! (the holder's writer, for the whole of one `apply`); zeroing and lookups take it shared
@@ -71,22 +71,19 @@ impl RunLog {
                 .iter()
                 .filter(|s| s.load(Relaxed) & STATE != 0)
                 .count();
+            // Grow by a quarter (or what the run needs) while more than half is live.
             let mut to = len;
             if len < MIN_LEN || 2 * live > len {
-                to = (2 * len).max(MIN_LEN);
-                while to < self.next + n {
-                    to *= 2;
-                }
+                to = (len + (len / 4).max(self.next + n - len)).max(MIN_LEN);
             }
             if to == len || to > MAX_LEN {
                 self.next = 0;
-                to = len.max(MIN_LEN);
-                while to < n {
-                    to *= 2;
-                }
+                to = len.max(n).max(MIN_LEN);
             }
             if to > len {
+                self.keys.reserve_exact(to - len);
                 self.keys.resize(to, 0);
+                self.states.reserve_exact(to - len);
                 self.states.resize_with(to, AtomicU8::default);
             }
         }
@@ -368,9 +365,12 @@ mod tests {
         for p in 0..60 {
             l.commit(p, 100 + u64::from(p), 1);
         }
-        // 60 of 64 live: grows to fit.
+        // 60 of 64 live: grows by a quarter (the run continues where it was).
         assert_eq!(l.reserve_run(10), 60);
-        assert_eq!(l.keys.len(), 128);
+        assert_eq!(l.keys.len(), 80);
+        // A run longer than a quarter grows the log by what it needs.
+        assert_eq!(l.reserve_run(100), 70);
+        assert_eq!(l.keys.len(), 170);
         assert_eq!(l.reserve_run(0), NO_POS);
     }
 }
