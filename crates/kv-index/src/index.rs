@@ -599,9 +599,52 @@ impl KvIndex {
             // (and bits) changes nothing, so the common case costs one comparison.
             let mut prev_one = 0u64;
             let mut logs = LastLog::default();
+            // Where the last key fed sits in some holder's run log: the next keys are read
+            // from there while they match.
+            let mut cursor: Option<(u32, u32)> = None;
             'walk: while done < keys.len() && m.wants_more() {
+                // Follow the cursor: feed the keys its log knows, then let it name the keys
+                // to probe next (blocks it shares), so the batch stops where its next run
+                // starts or it diverges, and no probe is wasted beyond.
+                let mut planned = 0;
+                // The holder whose log planned this batch: the cursor stays in its log.
+                let mut planner = u32::MAX;
+                if let Some((holder, pos)) = cursor.take()
+                    && let Some(log) = logs.get(&self.runs, holder)
+                    && let Ok(log) = log.try_read()
+                {
+                    let rest = keys.get(done..).unwrap_or_default();
+                    let mut ended = false;
+                    let base = done;
+                    let n = log.walk(pos, rest, |j, bits| {
+                        let w = one_word(holder, bits);
+                        if w == prev_one {
+                            return true;
+                        }
+                        prev_one = w;
+                        let i = u32::try_from(base + j).unwrap_or(u32::MAX);
+                        ended = !m.key(i, Holders::One(entry(holder, bits)), candidates, &nodes);
+                        !ended
+                    });
+                    done += n;
+                    if ended {
+                        break 'walk;
+                    }
+                    let rest = keys.get(done..).unwrap_or_default();
+                    let next = pos.saturating_add(1).saturating_add(n as u32);
+                    planned = log.plan(next, rest, MAX_BATCH);
+                    planner = holder;
+                    if n > 0 {
+                        // Probing resumes after a run: batches grow afresh.
+                        batch = FIRST_BATCH;
+                    }
+                    if done >= keys.len() {
+                        break 'walk;
+                    }
+                }
+                let len = planned.max(batch);
                 let chunk = keys
-                    .get(done..keys.len().min(done + batch))
+                    .get(done..keys.len().min(done + len))
                     .unwrap_or_default();
                 // Shared locks of every shard the batch needs (once all are held, nothing to do).
                 if !reader.all_held() {
@@ -656,70 +699,39 @@ impl KvIndex {
                     *l = **r;
                 }
                 std::hint::black_box(&loaded);
-                let mut in_run = false;
-                for (t, &slot) in tables.iter().zip(&slots).take(chunk.len()) {
+                let last = chunk.len().saturating_sub(1);
+                for (n, (t, &slot)) in tables.iter().zip(&slots).take(chunk.len()).enumerate() {
                     let i = u32::try_from(done).unwrap_or(u32::MAX);
                     done += 1;
-                    let (holders, sole) = match t {
-                        Some(t) if slot != NOT_FOUND => {
-                            let w = t.touch(slot);
-                            let sole = t.sole(slot);
-                            if w == prev_one {
-                                (None, sole)
-                            } else {
-                                let h = t.holders(slot);
-                                prev_one = if matches!(h, Holders::One(_)) { w } else { 0 };
-                                (Some(h), sole)
-                            }
+                    let Some(t) = t.filter(|_| slot != NOT_FOUND) else {
+                        cursor = None;
+                        if !m.key(i, Holders::None, candidates, &nodes) {
+                            break 'walk;
                         }
-                        _ => (Some(Holders::None), None),
+                        continue;
                     };
-                    if let Some(h) = holders
-                        && !m.key(i, h, candidates, &nodes)
+                    let w = t.touch(slot);
+                    if w != prev_one {
+                        let h = t.holders(slot);
+                        prev_one = if matches!(h, Holders::One(_)) { w } else { 0 };
+                        if !m.key(i, h, candidates, &nodes) {
+                            break 'walk;
+                        }
+                    }
+                    cursor = t.cursor(slot, planner);
+                    // A block held by one holder mid-batch may start a run: follow it now
+                    // if its log goes on with the next key (the rest of the batch is dropped).
+                    if n < last
+                        && let Some((holder, _, pos)) = t.sole(slot)
+                        && pos != NOT_LOGGED
+                        && let Some(log) = logs.get(&self.runs, holder)
+                        && let Ok(log) = log.try_read()
+                        && log.walk(pos, keys.get(done..done + 1).unwrap_or_default(), |_, _| {
+                            true
+                        }) > 0
                     {
-                        break 'walk;
-                    }
-                    // A block held by one holder: its run log may hold the next keys, in order.
-                    let Some((holder, _, pos)) = sole else {
-                        continue;
-                    };
-                    let rest = keys.get(done..).unwrap_or_default();
-                    if pos == NOT_LOGGED || rest.is_empty() {
-                        continue;
-                    }
-                    let Some(log) = logs.get(&self.runs, holder) else {
-                        continue;
-                    };
-                    let Ok(log) = log.try_read() else {
-                        continue;
-                    };
-                    let mut ended = false;
-                    let base = done;
-                    let n = log.walk(pos, rest, |j, bits| {
-                        let w = one_word(holder, bits);
-                        if w == prev_one {
-                            return true;
-                        }
-                        prev_one = w;
-                        let i = u32::try_from(base + j).unwrap_or(u32::MAX);
-                        ended = !m.key(i, Holders::One(entry(holder, bits)), candidates, &nodes);
-                        !ended
-                    });
-                    drop(log);
-                    done += n;
-                    if ended {
-                        break 'walk;
-                    }
-                    if n > 0 {
-                        // The rest of this batch's probes are behind: start afresh.
-                        in_run = true;
                         break;
                     }
-                }
-                if in_run {
-                    batch = FIRST_BATCH;
-                    reader.yield_to_writers();
-                    continue;
                 }
                 batch = (batch * 2).min(MAX_BATCH);
                 reader.yield_to_writers();

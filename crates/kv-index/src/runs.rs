@@ -177,6 +177,29 @@ impl RunLog {
         n
     }
 
+    /// How many of `keys` (from the first, whose entry would be at `pos`) a lookup should
+    /// probe next, as this log names them: entries equal to the keys but without a known state
+    /// (blocks shared with other holders) up to the first entry with one (the next run to
+    /// walk, not probed); at a divergence the diverging key is counted too. 0 when the log
+    /// names none of them. At most `limit`.
+    pub(crate) fn plan(&self, pos: u32, keys: &[kv_events::BlockKey], limit: usize) -> usize {
+        let start = pos as usize;
+        let (Some(log), Some(states)) = (self.keys.get(start..), self.states.get(start..)) else {
+            return 0;
+        };
+        let mut n = 0;
+        for ((&k, s), q) in log.iter().zip(states).zip(keys).take(limit) {
+            if k != q.0 {
+                return if n == 0 { 0 } else { n + 1 };
+            }
+            if s.load(Relaxed) & STATE != 0 {
+                return n;
+            }
+            n += 1;
+        }
+        if n < keys.len() && n > 0 { n + 1 } else { n }.min(limit)
+    }
+
     /// Bytes owned.
     pub(crate) fn heap_bytes(&self) -> usize {
         self.keys.capacity() * 8 + self.states.capacity()
@@ -350,6 +373,16 @@ mod tests {
         assert!(l.take_ref(7, 8) && !l.take_ref(7, 8));
         // The walk stops when told to.
         assert_eq!(l.walk(5, &q, |j, _| j < 1), 2);
+        // Planning probes: from key 5 (shared) on, the log names key 5 then a known run.
+        let q: Vec<BlockKey> = (5..=10).map(BlockKey).collect();
+        assert_eq!(l.plan(4, &q, 64), 1);
+        assert_eq!(l.plan(4, &q, 0), 0);
+        l.set(5, 6, 0);
+        assert_eq!(l.plan(4, &q, 64), 2);
+        // A divergence right away names nothing; later, the diverging key is included.
+        assert_eq!(l.plan(4, &[BlockKey(77)], 64), 0);
+        assert_eq!(l.plan(4, &[BlockKey(5), BlockKey(77)], 64), 2);
+        l.set(5, 6, 2);
         // A reserved position not committed keeps what it had (here: nothing).
         let p = l.reserve_run(2);
         l.commit(p + 1, 50, 1);

@@ -353,6 +353,26 @@ impl Table {
         Some((entry_holder(e), entry_bits(e), entry_pos(e)))
     }
 
+    /// Where a lookup can continue from the block in slot `i` in some holder's run log:
+    /// (holder, position) of its only holder, or of `prefer` among several (else the first
+    /// with a position).
+    pub(crate) fn cursor(&self, i: usize, prefer: u32) -> Option<(u32, u32)> {
+        let logged = |e: u64| (entry_pos(e) != NO_POS).then(|| (entry_holder(e), entry_pos(e)));
+        let w = self.word(i);
+        if w == 0 {
+            return None;
+        }
+        if w & MULTI == 0 {
+            return logged(single_entry(w));
+        }
+        let list = self.chunk(w as u32, (w >> LEN_SHIFT) as usize);
+        list.binary_search_by_key(&prefer, |&e| entry_holder(e))
+            .ok()
+            .and_then(|p| list.get(p))
+            .and_then(|&e| logged(e))
+            .or_else(|| list.iter().find_map(|&e| logged(e)))
+    }
+
     /// Whether `holder` has a residency on `key`.
     pub(crate) fn holds(&self, key: u64, holder: u32) -> bool {
         self.get(key).bits_of(holder) != 0
