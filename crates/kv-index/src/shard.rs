@@ -26,41 +26,55 @@ pub(crate) enum Op {
     Spec(BlockKey, u32),
 }
 
-/// List entries a list tolerates beyond twice its live ones before compacting (tiny in unit
-/// tests, to exercise it).
+/// Dropped keys a list tolerates beyond its live ones before compacting (tiny in unit tests,
+/// to exercise it).
 const COMPACT_MIN: usize = if cfg!(test) { 2 } else { 32 };
 
-/// The keys a source holds in this shard, lazily: a new residency appends its key, a
-/// vanished one only lowers `live` (no read or write of the list, so no cache miss). Stale and
-/// repeated entries are dropped by a compaction (keeping the order) once the list is twice its
-/// live count. Every live residency's key is listed.
+/// The keys a source holds in this shard, lazily: a new residency appends its key; a vanished
+/// one appends its key to `dropped` (a sequential write, where marking its list entry would be
+/// a cache miss). Residencies of one (key, source) come and go in turn, so of a key listed
+/// `n` times and dropped `g` times the first `g` entries are dead and any other is live. A
+/// compaction (once `dropped` outgrows the live count) removes exactly those, keeping the
+/// order, without reading the table. Every live residency's key is listed once.
 #[derive(Debug, Default)]
 struct SourceKeys {
     keys: Vec<u64>,
-    live: usize,
+    dropped: Vec<u64>,
 }
 
 impl SourceKeys {
-    /// Keeps the keys `holder` still holds, each once, in order.
-    fn compact(&mut self, table: &Table, holder: u32) {
-        for batch in self.keys.chunks(32) {
-            // Touch the batch's home buckets first, so their misses overlap.
-            let sink = batch.iter().fold(0, |a, &k| a ^ table.peek(table.home(k)));
-            std::hint::black_box(sink);
-        }
-        self.keys.retain(|&k| table.holds(k, holder));
-        // Every live residency is listed, so more entries than residencies means a key was
-        // dropped and listed again: only then is a dedup pass needed.
-        if self.keys.len() > self.live {
-            let mut seen: U64Map<u64, ()> = U64Map::default();
-            seen.reserve(self.live);
-            self.keys.retain(|&k| seen.insert(k, ()).is_none());
-        }
-        self.live = self.keys.len();
+    /// Live entries.
+    fn live(&self) -> usize {
+        self.keys.len() - self.dropped.len()
     }
 
-    fn wants_compaction(&self) -> bool {
-        self.keys.len() >= COMPACT_MIN + 2 * self.live
+    /// A residency on `key` went (`scratch`: reusable space for a compaction).
+    fn drop_key(&mut self, key: u64, scratch: &mut U64Map<u64, u32>) {
+        self.dropped.push(key);
+        if self.dropped.len() >= COMPACT_MIN + self.live() {
+            self.compact(scratch);
+        }
+    }
+
+    /// Removes the dead entries: for each key, as many of its first entries as it was dropped.
+    fn compact(&mut self, gone: &mut U64Map<u64, u32>) {
+        gone.clear();
+        gone.reserve(self.dropped.len());
+        for &k in &self.dropped {
+            *gone.entry(k).or_default() += 1;
+        }
+        self.keys.retain(|k| match gone.get_mut(k) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                false
+            }
+            _ => true,
+        });
+        self.dropped.clear();
+        if gone.capacity() > 4 * COMPACT_MIN.max(self.keys.len()) {
+            // One large compaction must not keep its space for ever.
+            *gone = U64Map::default();
+        }
     }
 }
 
@@ -78,6 +92,8 @@ struct Core {
     lists: Vec<SourceKeys>,
     list_of: U64Map<u32, usize>,
     victims: Vec<(u32, Bits, u32)>,
+    /// Space for source-list compactions.
+    scratch: U64Map<u64, u32>,
 }
 
 #[derive(Debug)]
@@ -124,13 +140,14 @@ impl Core {
                 self.residencies += 1;
                 if let Some(list) = self.lists.get_mut(li) {
                     list.keys.push(key);
-                    list.live += 1;
                 }
                 self.evict_over_capacity(runs);
             }
             (false, true) => {
                 self.residencies -= 1;
-                self.unlist(holder, li);
+                if let Some(list) = self.lists.get_mut(li) {
+                    list.drop_key(key, &mut self.scratch);
+                }
             }
             _ => {}
         }
@@ -150,16 +167,6 @@ impl Core {
             Some(l) if u.old == 0 => l.commit(u.pos, key, state),
             Some(l) if state != 0 => l.set(u.pos, key, state),
             _ => runs.zero(holder, u.pos),
-        }
-    }
-
-    /// One of `holder`'s residencies went: its list may be due for compaction.
-    fn unlist(&mut self, holder: u32, li: usize) {
-        if let Some(list) = self.lists.get_mut(li) {
-            list.live = list.live.saturating_sub(1);
-            if list.wants_compaction() {
-                list.compact(&self.table, holder);
-            }
         }
     }
 
@@ -211,8 +218,9 @@ impl Core {
                         self.spec.remove(&(key, h));
                     }
                     runs.zero(h, pos);
-                    if let Some(&li) = self.list_of.get(&h) {
-                        self.unlist(h, li);
+                    let list = self.list_of.get(&h).and_then(|&li| self.lists.get_mut(li));
+                    if let Some(list) = list {
+                        list.drop_key(key, &mut self.scratch);
                     }
                 }
                 self.residencies -= n;
@@ -239,6 +247,7 @@ impl Shard {
                 lists: Vec::new(),
                 list_of: U64Map::default(),
                 victims: Vec::new(),
+                scratch: U64Map::default(),
             },
         }
     }
@@ -346,7 +355,10 @@ impl Shard {
             + c.spec_heap.capacity() * std::mem::size_of::<(u64, u64, u32)>();
         let sources = c.list_of.capacity() * (std::mem::size_of::<(u32, usize)>() + 1)
             + c.lists.capacity() * std::mem::size_of::<SourceKeys>()
-            + c.lists.iter().map(|s| s.keys.capacity() * 8).sum::<usize>();
+            + c.lists
+                .iter()
+                .map(|s| (s.keys.capacity() + s.dropped.capacity()) * 8)
+                .sum::<usize>();
         c.table.heap_bytes() + spec + sources
     }
 }
@@ -404,8 +416,19 @@ mod tests {
         for (&h, &li) in &c.list_of {
             let list = &c.lists[li];
             let held = (0..KEYS).filter(|&k| c.table.holds(k, h)).count();
-            prop_assert_eq!(list.live, held, "holder {}", h);
-            prop_assert!(list.keys.len() < COMPACT_MIN + 2 * list.live);
+            prop_assert_eq!(list.live(), held, "holder {}", h);
+            prop_assert!(list.dropped.len() < COMPACT_MIN + list.live());
+            // Exactly the live keys survive a compaction, each once.
+            let mut copy = SourceKeys {
+                keys: list.keys.clone(),
+                dropped: list.dropped.clone(),
+            };
+            copy.compact(&mut U64Map::default());
+            let mut live = copy.keys.clone();
+            live.sort_unstable();
+            let mut want: Vec<u64> = (0..KEYS).filter(|&k| c.table.holds(k, h)).collect();
+            want.sort_unstable();
+            prop_assert_eq!(live, want, "holder {}", h);
             if let Some(log) = runs.get(h) {
                 for (k, state) in log.read().unwrap().known() {
                     prop_assert_eq!(

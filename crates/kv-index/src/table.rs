@@ -374,6 +374,7 @@ impl Table {
     }
 
     /// Whether `holder` has a residency on `key`.
+    #[cfg(test)]
     pub(crate) fn holds(&self, key: u64, holder: u32) -> bool {
         self.get(key).bits_of(holder) != 0
     }
