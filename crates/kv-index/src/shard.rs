@@ -58,6 +58,14 @@ impl SourceKeys {
 
     /// Removes the dead entries: for each key, as many of its first entries as it was dropped.
     fn compact(&mut self, gone: &mut U64Map<u64, u32>) {
+        let g = self.dropped.len();
+        if self.keys.get(..g) == Some(&self.dropped[..]) {
+            // The oldest entries went, in order (first in, first out): by the rule above they
+            // are exactly the dead ones.
+            self.keys.drain(..g);
+            self.dropped.clear();
+            return;
+        }
         gone.clear();
         gone.reserve(self.dropped.len());
         for &k in &self.dropped {
