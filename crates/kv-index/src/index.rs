@@ -14,6 +14,10 @@
 //!   while holding it; a reader that must wait for a shard first releases every shard a writer
 //!   waits for, and spins (then yields) rather than sleeping on the lock. Hence no deadlock,
 //!   and a writer is never starved by back-to-back lookups (`tests/concurrency.rs`).
+//! - Run logs ([`crate::runs`]): an `apply` holds its source's log exclusively throughout and
+//!   zeroes other holders' entries only once it holds no shard; a lookup only *tries* a log's
+//!   lock, reads it and lets go before anything else, so logs add no wait cycle. A lookup
+//!   follows a log from the last key it fed (a *cursor*) and lets it plan the next probe batch.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};

@@ -16,8 +16,10 @@
 //! Writers keep it: a new residency appends its entry (state = its bits when it is the
 //! block's only holder, else 0); a change of the holder's bits on a block it holds alone
 //! rewrites the entry; anything else that touches the residency (its removal, eviction, a
-//! second holder arriving, a write by another thread) zeroes it. Every rewrite checks the key
-//! at the position first, so a position overwritten since (the log wraps) is left alone. The
+//! second holder arriving, a write by another thread) zeroes it. A rewrite to a non-zero
+//! state checks the key at the position first, so a position reused since (the log wraps) is
+//! left alone; a zeroing needs no check (zero is always safe: a reused entry only loses its
+//! shortcut), so it touches only the 1-byte state. The
 //! log grows by a quarter while more than half its entries are live, else wraps, so it stays
 //! under 2.5 times its holder's accelerated residencies when it last grew (9 bytes per entry).
 //!

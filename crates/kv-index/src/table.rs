@@ -53,7 +53,7 @@ pub(crate) const MAX_HOLDERS: usize = (1 << 24) - 1;
 /// "No run-log entry".
 pub(crate) const NO_POS: u32 = (1 << 24) - 1;
 const POS_SHIFT: u32 = 40;
-/// An arena entry without its list position: what lookups compare.
+/// An arena entry without its run-log position: what lookups compare.
 pub(crate) const ENTRY_MASK: u64 = !(0xFF_FFFF << 8);
 const MIN_CAP: usize = 16;
 
@@ -129,7 +129,7 @@ pub(crate) enum Holders<'a> {
     None,
     /// One holder: `entry(holder, bits)`.
     One(u64),
-    /// Two or more, sorted by holder: `entry(holder, bits)` each, plus list positions (mask
+    /// Two or more, sorted by holder: `entry(holder, bits)` each, plus run-log positions (mask
     /// with [`ENTRY_MASK`] to compare).
     Many(&'a [u64]),
 }
@@ -381,7 +381,7 @@ impl Table {
 
     /// Sets slot `i`'s CLOCK reference bit (readers call this under the shared lock; a
     /// relaxed store is enough for a hint, and no writer runs meanwhile). Returns the slot's
-    /// word without its CLOCK bits and list position: equal one-holder words mean equal
+    /// word without its CLOCK bits and run-log position: equal one-holder words mean equal
     /// residencies.
     pub(crate) fn touch(&self, i: usize) -> u64 {
         let Some(s) = self.slot(i) else {
@@ -572,7 +572,7 @@ impl Table {
             .map_or(NO_POS, |&e| entry_pos(e))
     }
 
-    /// Removes the block in slot `i`, calling `f(holder, bits, list position)` for each of its
+    /// Removes the block in slot `i`, calling `f(holder, bits, run-log position)` for each of its
     /// residencies; returns its key and holder count (`None` when vacant). A later block may
     /// move into slot `i`.
     pub(crate) fn evict(
