@@ -14,10 +14,14 @@
 //!   while holding it; a reader that must wait for a shard first releases every shard a writer
 //!   waits for, and spins (then yields) rather than sleeping on the lock. Hence no deadlock,
 //!   and a writer is never starved by back-to-back lookups (`tests/concurrency.rs`).
+//! - Run logs ([`crate::runs`]): an `apply` holds its source's log exclusively throughout and
+//!   zeroes other holders' entries only once it holds no shard; a lookup only *tries* a log's
+//!   lock, reads it and lets go before anything else, so logs add no wait cycle. A lookup
+//!   follows a log from the last key it fed (a *cursor*) and lets it plan the next probe batch.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
-use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use kv_events::fasthash::U64Map;
@@ -27,8 +31,9 @@ use crate::config::{ConfigError, IndexConfig};
 use crate::id::{EndpointId, Holder, NodeId};
 use crate::matcher::{Matcher, NodeOf};
 use crate::overlap::Overlap;
+use crate::runs::{RunCtx, RunLog, Runs, Zero};
 use crate::shard::{Op, Shard};
-use crate::table::{ALL_TIERS, Bits, Holders, SPEC, Table, tier_bit};
+use crate::table::{ALL_TIERS, Bits, Holders, NO_POS, SPEC, Table, entry, one_word, tier_bit};
 use crate::time::Millis;
 
 /// Ops applied per exclusive hold of a shard (bounds how long a lookup can wait on a writer).
@@ -47,6 +52,7 @@ const SPIN_FOR: Duration = Duration::from_micros(20);
 /// batch of every lookup holding it).
 const DEFER_FOR: Duration = Duration::from_millis(2);
 const NOT_FOUND: usize = usize::MAX;
+const NOT_LOGGED: u32 = NO_POS;
 /// What a batch loads for a key whose shard is not held (cannot happen; keeps types simple).
 static ZERO: u64 = 0;
 
@@ -74,11 +80,14 @@ pub struct KvIndex {
     shift: u32,
     /// Endpoint → node raw id.
     nodes: RwLock<U64Map<u32, u32>>,
+    /// Every holder's run log.
+    runs: Runs,
 }
 
 thread_local! {
     static MATCHER: RefCell<Matcher> = RefCell::new(Matcher::default());
     static OPS: RefCell<Vec<Vec<Op>>> = const { RefCell::new(Vec::new()) };
+    static ZEROS: RefCell<Vec<Zero>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Waiting for a lock: spin (the holder is running and its hold is short) and only after
@@ -211,6 +220,19 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The run log a lookup used last (most walks follow one holder's runs).
+#[derive(Default)]
+struct LastLog(Option<(u32, Arc<RwLock<RunLog>>)>);
+
+impl LastLog {
+    fn get(&mut self, runs: &Runs, holder: u32) -> Option<&RwLock<RunLog>> {
+        if self.0.as_ref().is_none_or(|(h, _)| *h != holder) {
+            self.0 = runs.get(holder).map(|l| (holder, l));
+        }
+        self.0.as_ref().map(|(_, l)| &**l)
+    }
+}
+
 struct Nodes<'a>(&'a RwLock<U64Map<u32, u32>>);
 
 impl NodeOf for Nodes<'_> {
@@ -236,6 +258,7 @@ impl KvIndex {
             any_waiting: AtomicU32::new(0),
             shift: 64 - config.shards.trailing_zeros(),
             nodes: RwLock::new(U64Map::default()),
+            runs: Runs::default(),
         })
     }
 
@@ -288,34 +311,66 @@ impl KvIndex {
     /// needed (keys already chain); `Unknown` is skipped.
     pub fn apply(&self, source: Holder, events: &[KvEvent]) {
         let holder = source.pack();
-        OPS.with_borrow_mut(|ops| {
-            ops.resize_with(self.shards.len(), Vec::new);
-            for ev in events {
-                match ev {
-                    KvEvent::Stored { keys, tier, .. } => {
-                        self.bucket(ops, keys, |k| Op::Set(k, tier_bit(*tier)));
+        self.with_log(holder, |log, zeros| {
+            OPS.with_borrow_mut(|ops| {
+                ops.resize_with(self.shards.len(), Vec::new);
+                for ev in events {
+                    match ev {
+                        KvEvent::Stored { keys, tier, .. } => {
+                            let bits = tier_bit(*tier);
+                            self.bucket(ops, keys, log, |_, k, pos| Op::Set(k, bits, pos));
+                        }
+                        KvEvent::Removed { keys, tier } => {
+                            let bits = tier_bit(*tier);
+                            for &k in keys {
+                                if let Some(v) = ops.get_mut(self.shard_of(k)) {
+                                    v.push(Op::Unset(k, bits));
+                                }
+                            }
+                        }
+                        KvEvent::Cleared { tier } => {
+                            self.flush(holder, ops, Millis(0), log, zeros);
+                            let bits = tier.map_or(ALL_TIERS, tier_bit);
+                            // A GPU (or full) clear drops the source's speculation too.
+                            let bits = if bits & 1 != 0 { bits | SPEC } else { bits };
+                            self.clear_source(holder, bits, log, zeros);
+                        }
+                        KvEvent::Unknown => {}
                     }
-                    KvEvent::Removed { keys, tier } => {
-                        self.bucket(ops, keys, |k| Op::Unset(k, tier_bit(*tier)));
-                    }
-                    KvEvent::Cleared { tier } => {
-                        self.flush(holder, ops, Millis(0));
-                        let bits = tier.map_or(ALL_TIERS, tier_bit);
-                        // A GPU (or full) clear drops the source's speculation too.
-                        let bits = if bits & 1 != 0 { bits | SPEC } else { bits };
-                        self.clear_source(holder, bits);
-                    }
-                    KvEvent::Unknown => {}
                 }
-            }
-            self.flush(holder, ops, Millis(0));
+                self.flush(holder, ops, Millis(0), log, zeros);
+            });
         });
     }
 
-    fn bucket(&self, ops: &mut [Vec<Op>], keys: &[BlockKey], op: impl Fn(BlockKey) -> Op) {
-        for &k in keys {
+    /// Runs `f` holding `holder`'s run log exclusively (its new residencies append to it),
+    /// then zeroes the other holders' entries the writes invalidated, holding no lock.
+    fn with_log<R>(&self, holder: u32, f: impl FnOnce(&mut RunLog, &mut Vec<Zero>) -> R) -> R {
+        let log = self.runs.get_or_create(holder);
+        let r = ZEROS.with_borrow_mut(|zeros| {
+            let mut g = log.write().unwrap_or_else(PoisonError::into_inner);
+            let r = f(&mut g, zeros);
+            g.zero_own(holder, zeros);
+            r
+        });
+        ZEROS.with_borrow_mut(|zeros| self.runs.apply_zeros(zeros));
+        r
+    }
+
+    /// Buckets `keys` by shard as `op(key, run-log position)`: the keys get consecutive
+    /// positions in `log`, in order, so the chain they form is one run.
+    fn bucket(
+        &self,
+        ops: &mut [Vec<Op>],
+        keys: &[BlockKey],
+        log: &mut RunLog,
+        mut op: impl FnMut(usize, BlockKey, u32) -> Op,
+    ) {
+        let base = log.reserve_run(keys.len());
+        for ((j, &k), off) in keys.iter().enumerate().zip(0u32..) {
+            let pos = if base == NO_POS { NO_POS } else { base + off };
             if let Some(v) = ops.get_mut(self.shard_of(k)) {
-                v.push(op(k));
+                v.push(op(j, k, pos));
             }
         }
     }
@@ -324,7 +379,24 @@ impl KvIndex {
     /// Shards that are free are done at once; the others are announced together and taken
     /// as they come free, so a lookup releases all of them at its next batch boundary (one
     /// wait per call, not one per shard).
-    fn flush(&self, holder: u32, ops: &mut [Vec<Op>], deadline: Millis) {
+    fn flush(
+        &self,
+        holder: u32,
+        ops: &mut [Vec<Op>],
+        deadline: Millis,
+        log: &mut RunLog,
+        zeros: &mut Vec<Zero>,
+    ) {
+        let mut ctx = RunCtx {
+            holder,
+            own: Some(log),
+            runs: Some(&self.runs),
+            zeros,
+        };
+        self.flush_with(holder, ops, deadline, &mut ctx);
+    }
+
+    fn flush_with(&self, holder: u32, ops: &mut [Vec<Op>], deadline: Millis, ctx: &mut RunCtx<'_>) {
         let mut blocked = Vec::new();
         for (i, v) in ops.iter_mut().enumerate() {
             if v.is_empty() {
@@ -336,8 +408,10 @@ impl KvIndex {
                     continue;
                 };
                 match lock.try_write() {
-                    Ok(mut g) => g.apply(holder, v, deadline),
-                    Err(TryLockError::Poisoned(p)) => p.into_inner().apply(holder, v, deadline),
+                    Ok(mut g) => g.apply(holder, v, deadline, ctx),
+                    Err(TryLockError::Poisoned(p)) => {
+                        p.into_inner().apply(holder, v, deadline, ctx);
+                    }
                     Err(TryLockError::WouldBlock) => {
                         blocked.push(i);
                         continue;
@@ -347,9 +421,9 @@ impl KvIndex {
                 continue;
             }
             match self.shards.get(i).map(RwLock::try_write) {
-                Some(Ok(g)) => self.write_all(i, g, holder, v, deadline),
+                Some(Ok(g)) => self.write_all(i, g, holder, v, deadline, ctx),
                 Some(Err(TryLockError::Poisoned(p))) => {
-                    self.write_all(i, p.into_inner(), holder, v, deadline);
+                    self.write_all(i, p.into_inner(), holder, v, deadline, ctx);
                 }
                 Some(Err(TryLockError::WouldBlock)) => blocked.push(i),
                 None => v.clear(),
@@ -379,7 +453,7 @@ impl KvIndex {
                 }
                 self.any_waiting.fetch_sub(1, Relaxed);
                 if let Some(v) = ops.get_mut(i) {
-                    self.write_all(i, g, holder, v, deadline);
+                    self.write_all(i, g, holder, v, deadline, ctx);
                 }
                 false
             });
@@ -397,25 +471,36 @@ impl KvIndex {
         holder: u32,
         ops: &mut Vec<Op>,
         deadline: Millis,
+        ctx: &mut RunCtx<'_>,
     ) {
         let mut chunks = ops.chunks(WRITE_BATCH);
         if let Some(first) = chunks.next() {
-            g.apply(holder, first, deadline);
+            g.apply(holder, first, deadline, ctx);
         }
         drop(g);
         for chunk in chunks {
-            self.with_shard(i, |s| s.apply(holder, chunk, deadline));
+            self.with_shard(i, |s| s.apply(holder, chunk, deadline, ctx));
         }
         ops.clear();
     }
 
     /// Clears `bits` of `holder` on every block it holds, visiting only its own key lists,
     /// [`CLEAR_BATCH`] keys per exclusive hold.
-    fn clear_source(&self, holder: u32, bits: Bits) {
+    /// Its run-log entries are zeroed at once (the caller holds its log).
+    fn clear_source(&self, holder: u32, bits: Bits, log: &mut RunLog, zeros: &mut Vec<Zero>) {
+        let mut ctx = RunCtx {
+            holder,
+            own: Some(log),
+            runs: Some(&self.runs),
+            zeros,
+        };
         for i in 0..self.shards.len() {
             let mut cursor = usize::MAX;
             while cursor > 0 {
-                match self.with_shard(i, |s| s.clear_some(holder, bits, cursor, CLEAR_BATCH)) {
+                let step = self.with_shard(i, |s| {
+                    s.clear_some(holder, bits, cursor, CLEAR_BATCH, &mut ctx)
+                });
+                match step {
                     Some(c) => cursor = c,
                     None => break,
                 }
@@ -432,19 +517,26 @@ impl KvIndex {
         snapshot: impl IntoIterator<Item = (BlockKey, Tier)>,
     ) {
         let holder = source.pack();
+        let snapshot: Vec<(BlockKey, Tier)> = snapshot.into_iter().collect();
+        let keys: Vec<BlockKey> = snapshot.iter().map(|&(k, _)| k).collect();
         let mut ops: Vec<Vec<Op>> = vec![Vec::new(); self.shards.len()];
-        for (k, tier) in snapshot {
-            if let Some(v) = ops.get_mut(self.shard_of(k)) {
-                v.push(Op::Set(k, tier_bit(tier)));
-            }
-        }
-        self.clear_source(holder, ALL_TIERS);
-        self.flush(holder, &mut ops, Millis(0));
+        self.with_log(holder, |log, zeros| {
+            self.clear_source(holder, ALL_TIERS, log, zeros);
+            self.bucket(&mut ops, &keys, log, |j, k, pos| {
+                let bits = snapshot.get(j).map_or(0, |&(_, t)| tier_bit(t));
+                Op::Set(k, bits, pos)
+            });
+            self.flush(holder, &mut ops, Millis(0), log, zeros);
+        });
     }
 
     /// Forgets `source` entirely (its residencies and speculation). O(source's keys).
     pub fn remove_source(&self, source: Holder) {
-        self.clear_source(source.pack(), ALL_TIERS | SPEC);
+        let holder = source.pack();
+        self.with_log(holder, |log, zeros| {
+            self.clear_source(holder, ALL_TIERS | SPEC, log, zeros);
+        });
+        self.runs.remove(holder);
     }
 
     /// Records that a request routed to `endpoint` will put `keys` in its GPU cache: they count
@@ -452,24 +544,32 @@ impl KvIndex {
     /// [`KvIndex::expire`] runs at or after `now + ttl`.
     pub fn speculate(&self, endpoint: EndpointId, keys: &[BlockKey], now: Millis, ttl: Millis) {
         let holder = Holder::Endpoint(endpoint).pack();
-        OPS.with_borrow_mut(|ops| {
-            ops.resize_with(self.shards.len(), Vec::new);
-            self.bucket(ops, keys, Op::Spec);
-            self.flush(holder, ops, now.after(ttl));
+        self.with_log(holder, |log, zeros| {
+            OPS.with_borrow_mut(|ops| {
+                ops.resize_with(self.shards.len(), Vec::new);
+                self.bucket(ops, keys, log, |_, k, pos| Op::Spec(k, pos));
+                self.flush(holder, ops, now.after(ttl), log, zeros);
+            });
         });
     }
 
     /// Drops speculative entries whose deadline is at or before `now`; returns how many.
     pub fn expire(&self, now: Millis) -> usize {
         let mut n = 0;
-        for i in 0..self.shards.len() {
-            while let Some((k, more)) = self.with_shard(i, |s| s.expire(now, WRITE_BATCH)) {
-                n += k;
-                if !more {
-                    break;
+        ZEROS.with_borrow_mut(|zeros| {
+            for i in 0..self.shards.len() {
+                while let Some((k, more)) = self.with_shard(i, |s| {
+                    let mut ctx = RunCtx::deferred(&self.runs, zeros);
+                    s.expire(now, WRITE_BATCH, &mut ctx)
+                }) {
+                    self.runs.apply_zeros(zeros);
+                    n += k;
+                    if !more {
+                        break;
+                    }
                 }
             }
-        }
+        });
         n
     }
 
@@ -502,9 +602,53 @@ impl KvIndex {
             // The one-holder word last fed to the matcher: a key with the same sole holder
             // (and bits) changes nothing, so the common case costs one comparison.
             let mut prev_one = 0u64;
+            let mut logs = LastLog::default();
+            // Where the last key fed sits in some holder's run log: the next keys are read
+            // from there while they match.
+            let mut cursor: Option<(u32, u32)> = None;
             'walk: while done < keys.len() && m.wants_more() {
+                // Follow the cursor: feed the keys its log knows, then let it name the keys
+                // to probe next (blocks it shares), so the batch stops where its next run
+                // starts or it diverges, and no probe is wasted beyond.
+                let mut planned = 0;
+                // The holder whose log planned this batch: the cursor stays in its log.
+                let mut planner = u32::MAX;
+                if let Some((holder, pos)) = cursor.take()
+                    && let Some(log) = logs.get(&self.runs, holder)
+                    && let Ok(log) = log.try_read()
+                {
+                    let rest = keys.get(done..).unwrap_or_default();
+                    let mut ended = false;
+                    let base = done;
+                    let n = log.walk(pos, rest, |j, bits| {
+                        let w = one_word(holder, bits);
+                        if w == prev_one {
+                            return true;
+                        }
+                        prev_one = w;
+                        let i = u32::try_from(base + j).unwrap_or(u32::MAX);
+                        ended = !m.key(i, Holders::One(entry(holder, bits)), candidates, &nodes);
+                        !ended
+                    });
+                    done += n;
+                    if ended {
+                        break 'walk;
+                    }
+                    let rest = keys.get(done..).unwrap_or_default();
+                    let next = pos.saturating_add(1).saturating_add(n as u32);
+                    planned = log.plan(next, rest, MAX_BATCH);
+                    planner = holder;
+                    if n > 0 {
+                        // Probing resumes after a run: batches grow afresh.
+                        batch = FIRST_BATCH;
+                    }
+                    if done >= keys.len() {
+                        break 'walk;
+                    }
+                }
+                let len = planned.max(batch);
                 let chunk = keys
-                    .get(done..keys.len().min(done + batch))
+                    .get(done..keys.len().min(done + len))
                     .unwrap_or_default();
                 // Shared locks of every shard the batch needs (once all are held, nothing to do).
                 if !reader.all_held() {
@@ -559,23 +703,38 @@ impl KvIndex {
                     *l = **r;
                 }
                 std::hint::black_box(&loaded);
-                for (t, &slot) in tables.iter().zip(&slots).take(chunk.len()) {
+                let last = chunk.len().saturating_sub(1);
+                for (n, (t, &slot)) in tables.iter().zip(&slots).take(chunk.len()).enumerate() {
                     let i = u32::try_from(done).unwrap_or(u32::MAX);
                     done += 1;
-                    let holders = match t {
-                        Some(t) if slot != NOT_FOUND => {
-                            let w = t.touch(slot);
-                            if w == prev_one {
-                                continue;
-                            }
-                            let h = t.holders(slot);
-                            prev_one = if matches!(h, Holders::One(_)) { w } else { 0 };
-                            h
+                    let Some(t) = t.filter(|_| slot != NOT_FOUND) else {
+                        cursor = None;
+                        if !m.key(i, Holders::None, candidates, &nodes) {
+                            break 'walk;
                         }
-                        _ => Holders::None,
+                        continue;
                     };
-                    if !m.key(i, holders, candidates, &nodes) {
-                        break 'walk;
+                    let w = t.touch(slot);
+                    if w != prev_one {
+                        let h = t.holders(slot);
+                        prev_one = if matches!(h, Holders::One(_)) { w } else { 0 };
+                        if !m.key(i, h, candidates, &nodes) {
+                            break 'walk;
+                        }
+                    }
+                    cursor = t.cursor(slot, planner);
+                    // A block held by one holder mid-batch may start a run: follow it now
+                    // if its log goes on with the next key (the rest of the batch is dropped).
+                    if n < last
+                        && let Some((holder, _, pos)) = t.sole(slot)
+                        && pos != NOT_LOGGED
+                        && let Some(log) = logs.get(&self.runs, holder)
+                        && let Ok(log) = log.try_read()
+                        && log.walk(pos, keys.get(done..done + 1).unwrap_or_default(), |_, _| {
+                            true
+                        }) > 0
+                    {
+                        break;
                     }
                 }
                 batch = (batch * 2).min(MAX_BATCH);
@@ -596,6 +755,7 @@ impl KvIndex {
             st.evicted_blocks += s.evicted();
             st.heap_bytes += s.heap_bytes();
         }
+        st.heap_bytes += self.runs.heap_bytes();
         st
     }
 }

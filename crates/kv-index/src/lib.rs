@@ -21,6 +21,7 @@ mod id;
 mod index;
 mod matcher;
 mod overlap;
+mod runs;
 mod shard;
 mod table;
 mod time;

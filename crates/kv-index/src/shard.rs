@@ -1,6 +1,7 @@
 //! One shard of the index: the block table, CLOCK eviction under a residency budget, the
-//! speculative entries' deadlines, and each source's key list (so clearing or replacing a
-//! source visits only its own keys, not the shard). Single-threaded: the concurrency
+//! speculative entries' deadlines, each source's key list (so clearing or replacing a source
+//! visits only its own keys, not the shard), and the upkeep of the holders' run logs
+//! ([`crate::runs`]) that every residency change implies. Single-threaded: the concurrency
 //! layer ([`crate::KvIndex`]) wraps each shard in a lock.
 
 use std::cmp::Reverse;
@@ -9,95 +10,78 @@ use std::collections::{BinaryHeap, HashMap};
 use kv_events::BlockKey;
 use kv_events::fasthash::{BuildU64Hasher, U64Map};
 
-use crate::table::{Bits, NO_POS, SPEC, Table};
+use crate::runs::RunCtx;
+use crate::table::{Bits, NO_POS, SPEC, Table, Update};
 use crate::time::Millis;
 
-/// A write to one block for the batch's holder.
+/// A write to one block for the batch's holder. Writes that may create a residency carry the
+/// run-log position it gets (reserved in chain order by the caller; [`NO_POS`]: none).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Op {
     /// Set confirmed bits (a store); a GPU store also confirms speculation.
-    Set(BlockKey, Bits),
+    Set(BlockKey, Bits, u32),
     /// Clear bits (a removal); removing GPU also drops speculation.
     Unset(BlockKey, Bits),
     /// Speculate GPU residency until the batch's deadline.
-    Spec(BlockKey),
+    Spec(BlockKey, u32),
 }
 
-/// A removed key's place in a source's key list.
-const TOMB: u64 = u64::MAX;
-/// Dead entries a list tolerates before compacting (tiny in unit tests, to exercise it).
+/// Dropped keys a list tolerates beyond its live ones before compacting (tiny in unit tests,
+/// to exercise it).
 const COMPACT_MIN: usize = if cfg!(test) { 2 } else { 32 };
 
-/// The keys a source holds in this shard; each of its residencies records its index here, so
-/// a residency that goes marks its entry dead in O(1) without reading the list, and the list
-/// is compacted (dead entries filled from its end) once half of it is dead.
+/// The keys a source holds in this shard, lazily: a new residency appends its key; a vanished
+/// one appends its key to `dropped` (a sequential write, where marking its list entry would be
+/// a cache miss). Residencies of one (key, source) come and go in turn, so of a key listed
+/// `n` times and dropped `g` times the first `g` entries are dead and any other is live. A
+/// compaction (once `dropped` outgrows the live count) removes exactly those, keeping the
+/// order, without reading the table. Every live residency's key is listed once.
 #[derive(Debug, Default)]
 struct SourceKeys {
     keys: Vec<u64>,
-    dead: usize,
-    /// Some residencies are unlisted (the list reached [`NO_POS`] entries, or the key is
-    /// [`TOMB`] itself): clearing the source then also scans the shard.
-    overflow: bool,
+    dropped: Vec<u64>,
 }
 
 impl SourceKeys {
-    /// The position a new residency on `key` will get.
-    fn next_pos(&self, key: u64) -> u32 {
-        u32::try_from(self.keys.len())
-            .ok()
-            .filter(|&p| p < NO_POS && key != TOMB)
-            .unwrap_or(NO_POS)
+    /// Live entries.
+    fn live(&self) -> usize {
+        self.keys.len() - self.dropped.len()
     }
 
-    /// Marks `key`'s entry (at `pos`) dead. (The position is trusted rather than checked:
-    /// reading the entry would be a cache miss per removal.)
-    fn unlist(&mut self, table: &mut Table, holder: u32, key: u64, pos: u32) {
-        if let Some(e) = self.keys.get_mut(pos as usize) {
-            debug_assert_eq!(*e, key);
-            let _ = key;
-            *e = TOMB;
-            self.dead += 1;
-            if self.dead >= COMPACT_MIN && 2 * self.dead >= self.keys.len() {
-                self.compact(table, holder);
-            }
+    /// A residency on `key` went (`scratch`: reusable space for a compaction).
+    fn drop_key(&mut self, key: u64, scratch: &mut U64Map<u64, u32>) {
+        self.dropped.push(key);
+        if self.dropped.len() >= COMPACT_MIN + self.live() {
+            self.compact(scratch);
         }
     }
 
-    /// Fills dead entries with live ones from the end and truncates; moves at most `dead`
-    /// keys, whose residencies then learn their new positions (probed in overlapping batches).
-    fn compact(&mut self, table: &mut Table, holder: u32) {
-        let keys = &mut self.keys;
-        let mut moved = Vec::new();
-        let (mut lo, mut hi) = (0, keys.len());
-        loop {
-            while lo < hi && keys.get(lo).is_some_and(|&k| k != TOMB) {
-                lo += 1;
-            }
-            while hi > lo && keys.get(hi - 1) == Some(&TOMB) {
-                hi -= 1;
-            }
-            if lo >= hi {
-                break;
-            }
-            keys.swap(lo, hi - 1);
-            moved.push(lo);
-            lo += 1;
-            hi -= 1;
+    /// Removes the dead entries: for each key, as many of its first entries as it was dropped.
+    fn compact(&mut self, gone: &mut U64Map<u64, u32>) {
+        let g = self.dropped.len();
+        if self.keys.get(..g) == Some(&self.dropped[..]) {
+            // The oldest entries went, in order (first in, first out): by the rule above they
+            // are exactly the dead ones.
+            self.keys.drain(..g);
+            self.dropped.clear();
+            return;
         }
-        // Everything from `hi` on is dead now.
-        keys.truncate(hi);
-        self.dead = 0;
-        for batch in moved.chunks(32) {
-            let sink = batch.iter().fold(0, |a, &p| {
-                let k = keys.get(p).copied().unwrap_or(0);
-                a ^ table.peek(table.home(k))
-            });
-            std::hint::black_box(sink);
-            for &p in batch {
-                if let (Some(&k), Ok(pos)) = (keys.get(p), u32::try_from(p)) {
-                    table.set_pos(k, holder, pos);
-                }
+        gone.clear();
+        gone.reserve(self.dropped.len());
+        for &k in &self.dropped {
+            *gone.entry(k).or_default() += 1;
+        }
+        self.keys.retain(|k| match gone.get_mut(k) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                false
             }
+            _ => true,
+        });
+        self.dropped.clear();
+        if gone.capacity() > 4 * COMPACT_MIN.max(self.keys.len()) {
+            // One large compaction must not keep its space for ever.
+            *gone = U64Map::default();
         }
     }
 }
@@ -116,6 +100,8 @@ struct Core {
     lists: Vec<SourceKeys>,
     list_of: U64Map<u32, usize>,
     victims: Vec<(u32, Bits, u32)>,
+    /// Space for source-list compactions.
+    scratch: U64Map<u64, u32>,
 }
 
 #[derive(Debug)]
@@ -134,36 +120,41 @@ impl Core {
     }
 
     /// Applies `f` to `holder`'s bits on `key` (`li`: its key list), keeping the residency
-    /// count, the speculation map and the key lists in step and evicting over capacity.
-    /// Returns the bits before and after.
+    /// count, the speculation map, the key lists and the run logs in step and evicting over
+    /// capacity. Returns the bits before and after.
     fn write(
         &mut self,
         key: u64,
         holder: u32,
         f: impl FnOnce(Bits) -> Bits,
         li: usize,
+        pos: u32,
+        runs: &mut RunCtx<'_>,
     ) -> (Bits, Bits) {
-        let next = self.lists.get(li).map_or(NO_POS, |l| l.next_pos(key));
-        let (old, new, pos) = self.table.update(key, holder, f, next);
+        // A position is only recorded where the writer holds the log it points into.
+        let pos = if runs.own(holder).is_some() {
+            pos
+        } else {
+            NO_POS
+        };
+        let u = self.table.update(key, holder, f, pos);
+        let Update { old, new, .. } = u;
         if old & SPEC != 0 && new & SPEC == 0 {
             self.spec.remove(&(key, holder));
         }
+        Self::keep_runs(&u, key, holder, runs);
         match (old == 0, new == 0) {
             (true, false) => {
                 self.residencies += 1;
                 if let Some(list) = self.lists.get_mut(li) {
-                    if pos == NO_POS {
-                        list.overflow = true;
-                    } else {
-                        list.keys.push(key);
-                    }
+                    list.keys.push(key);
                 }
-                self.evict_over_capacity();
+                self.evict_over_capacity(runs);
             }
             (false, true) => {
                 self.residencies -= 1;
                 if let Some(list) = self.lists.get_mut(li) {
-                    list.unlist(&mut self.table, holder, key, pos);
+                    list.drop_key(key, &mut self.scratch);
                 }
             }
             _ => {}
@@ -171,24 +162,40 @@ impl Core {
         (old, new)
     }
 
-    fn op(&mut self, holder: u32, op: Op, deadline: Millis, li: usize) {
+    /// The run-log side of an update (see [`crate::runs`] for the invariant kept).
+    fn keep_runs(u: &Update, key: u64, holder: u32, runs: &mut RunCtx<'_>) {
+        if let Some((h, pos)) = u.displaced {
+            runs.zero(h, pos);
+        }
+        if u.old == u.new {
+            return;
+        }
+        let state = if u.sole { u.new } else { 0 };
+        match runs.own(holder) {
+            Some(l) if u.old == 0 => l.commit(u.pos, key, state),
+            Some(l) if state != 0 => l.set(u.pos, key, state),
+            _ => runs.zero(holder, u.pos),
+        }
+    }
+
+    fn op(&mut self, holder: u32, op: Op, deadline: Millis, li: usize, runs: &mut RunCtx<'_>) {
         match op {
-            Op::Set(k, bits) => {
+            Op::Set(k, bits, pos) => {
                 let gpu = bits & 1 != 0;
                 let f = |b| if gpu { (b & !SPEC) | bits } else { b | bits };
-                self.write(k.0, holder, f, li);
+                self.write(k.0, holder, f, li, pos, runs);
             }
             Op::Unset(k, bits) => {
                 let gpu = bits & 1 != 0;
                 let f = |b| if gpu { b & !bits & !SPEC } else { b & !bits };
-                self.write(k.0, holder, f, li);
+                self.write(k.0, holder, f, li, NO_POS, runs);
             }
-            Op::Spec(k) => {
+            Op::Spec(k, pos) => {
                 // Speculating a block the endpoint already has in GPU is a no-op.
                 if self.table.get(k.0).bits_of(holder) & 1 == 0 {
                     self.spec.insert((k.0, holder), deadline.0);
                     self.spec_heap.push(Reverse((deadline.0, k.0, holder)));
-                    self.write(k.0, holder, |b| b | SPEC, li);
+                    self.write(k.0, holder, |b| b | SPEC, li, pos, runs);
                 }
             }
         }
@@ -196,13 +203,14 @@ impl Core {
 
     /// CLOCK: sweep, giving referenced blocks two more turns and new ones one, until under
     /// budget (after two full turns, whatever the hand meets goes).
-    fn evict_over_capacity(&mut self) {
+    fn evict_over_capacity(&mut self, runs: &mut RunCtx<'_>) {
         let cap = self.table.capacity();
         let mut budget = 3 * cap + 1;
         while self.residencies > self.capacity && budget > 0 && cap > 0 {
             budget -= 1;
             self.hand = (self.hand + 1) & (cap - 1);
-            match self.table.take_reference(self.hand) {
+            let walked = |k, h, pos| runs.take_ref(h, pos, k);
+            match self.table.take_reference(self.hand, walked) {
                 None => continue,
                 Some(true) if budget > cap => continue,
                 _ => {}
@@ -217,9 +225,10 @@ impl Core {
                     if bits & SPEC != 0 {
                         self.spec.remove(&(key, h));
                     }
+                    runs.zero(h, pos);
                     let list = self.list_of.get(&h).and_then(|&li| self.lists.get_mut(li));
                     if let Some(list) = list {
-                        list.unlist(&mut self.table, h, key, pos);
+                        list.drop_key(key, &mut self.scratch);
                     }
                 }
                 self.residencies -= n;
@@ -246,6 +255,7 @@ impl Shard {
                 lists: Vec::new(),
                 list_of: U64Map::default(),
                 victims: Vec::new(),
+                scratch: U64Map::default(),
             },
         }
     }
@@ -267,31 +277,38 @@ impl Shard {
     }
 
     /// Applies `holder`'s ops in order (`deadline` is for [`Op::Spec`]).
-    pub(crate) fn apply(&mut self, holder: u32, ops: &[Op], deadline: Millis) {
+    pub(crate) fn apply(
+        &mut self,
+        holder: u32,
+        ops: &[Op],
+        deadline: Millis,
+        runs: &mut RunCtx<'_>,
+    ) {
         // Touch every op's home bucket first, so the batch's cache misses overlap (chunks are
         // often a few ops: a fold costs nothing to set up).
         let t = &self.core.table;
         let sink = ops.iter().fold(0, |a, op| {
-            let (Op::Set(k, _) | Op::Unset(k, _) | Op::Spec(k)) = *op;
+            let (Op::Set(k, ..) | Op::Unset(k, _) | Op::Spec(k, _)) = *op;
             a ^ t.peek(t.home(k.0))
         });
         std::hint::black_box(sink);
         let li = self.core.list(holder);
         for &op in ops {
-            self.core.op(holder, op, deadline, li);
+            self.core.op(holder, op, deadline, li, runs);
         }
     }
 
     /// Clears `mask` of `holder` on up to `limit` keys of its list, walking down from
     /// `cursor` (start with `usize::MAX`); returns the cursor to continue from, 0 when done.
-    /// Keys listed meanwhile (above the cursor) are left alone; a key moved below the cursor
-    /// is cleared twice, which is harmless.
+    /// A compaction meanwhile only moves keys down (keeping their order), so every key below
+    /// the cursor is still visited; one moved from above is cleared too, which is harmless.
     pub(crate) fn clear_some(
         &mut self,
         holder: u32,
         mask: Bits,
         cursor: usize,
         limit: usize,
+        runs: &mut RunCtx<'_>,
     ) -> usize {
         let core = &mut self.core;
         let li = core.list(holder);
@@ -300,29 +317,23 @@ impl Shard {
         let stop = i.saturating_sub(limit);
         while i > stop {
             i -= 1;
-            if let Some(&k) = core.lists.get(li).and_then(|l| l.keys.get(i))
-                && k != TOMB
-            {
-                core.write(k, holder, |b| b & !mask, li);
+            if let Some(&k) = core.lists.get(li).and_then(|l| l.keys.get(i)) {
+                core.write(k, holder, |b| b & !mask, li, NO_POS, runs);
             }
             // A compaction may have shortened the list below the cursor.
             i = i.min(core.lists.get(li).map_or(0, |l| l.keys.len()));
-        }
-        if i == 0 && core.lists.get(li).is_some_and(|l| l.overflow) {
-            for k in core.table.scan(holder) {
-                core.write(k, holder, |b| b & !mask, li);
-            }
-            let left = core.table.scan(holder).len();
-            if let Some(l) = core.lists.get_mut(li) {
-                l.overflow = left > l.keys.len() - l.dead;
-            }
         }
         i
     }
 
     /// Drops up to `limit` speculative entries whose deadline is at or before `now`; returns
     /// how many, and whether more may be due.
-    pub(crate) fn expire(&mut self, now: Millis, limit: usize) -> (usize, bool) {
+    pub(crate) fn expire(
+        &mut self,
+        now: Millis,
+        limit: usize,
+        runs: &mut RunCtx<'_>,
+    ) -> (usize, bool) {
         let mut n = 0;
         let mut popped = 0;
         while let Some(&Reverse((deadline, key, holder))) = self.core.spec_heap.peek() {
@@ -337,7 +348,8 @@ impl Shard {
             if self.core.spec.get(&(key, holder)) == Some(&deadline) {
                 self.core.spec.remove(&(key, holder));
                 let li = self.core.list(holder);
-                self.core.write(key, holder, |b| b & !SPEC, li);
+                self.core
+                    .write(key, holder, |b| b & !SPEC, li, NO_POS, runs);
                 n += 1;
             }
         }
@@ -351,7 +363,10 @@ impl Shard {
             + c.spec_heap.capacity() * std::mem::size_of::<(u64, u64, u32)>();
         let sources = c.list_of.capacity() * (std::mem::size_of::<(u32, usize)>() + 1)
             + c.lists.capacity() * std::mem::size_of::<SourceKeys>()
-            + c.lists.iter().map(|s| s.keys.capacity() * 8).sum::<usize>();
+            + c.lists
+                .iter()
+                .map(|s| (s.keys.capacity() + s.dropped.capacity()) * 8)
+                .sum::<usize>();
         c.table.heap_bytes() + spec + sources
     }
 }
@@ -361,42 +376,86 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::table::ALL_TIERS;
+    use crate::runs::Runs;
+    use crate::table::{ALL_TIERS, Holders};
 
-    /// Every residency is listed by its source at the position it records; lists hold no
-    /// stale or repeated keys; the residency count is exact.
-    fn check(s: &Shard) -> Result<(), TestCaseError> {
+    const KEYS: u64 = 12;
+
+    /// Runs `f` on the shard as a writer holding `holder`'s log would, then does the deferred
+    /// zeroings.
+    fn with_log<R>(
+        s: &mut Shard,
+        runs: &Runs,
+        holder: Option<u32>,
+        f: impl FnOnce(&mut Shard, &mut RunCtx<'_>) -> R,
+    ) -> R {
+        let mut zeros = Vec::new();
+        let log = holder.map(|h| runs.get_or_create(h));
+        let mut guard = log.as_ref().map(|l| l.write().unwrap());
+        let mut ctx = RunCtx {
+            holder: holder.unwrap_or(u32::MAX),
+            own: guard.as_deref_mut(),
+            runs: Some(runs),
+            zeros: &mut zeros,
+        };
+        let r = f(s, &mut ctx);
+        drop(guard);
+        runs.apply_zeros(&mut zeros);
+        r
+    }
+
+    /// Every residency is listed by its source (lists stay within twice their live count
+    /// plus slack); every run-log entry claiming a state is its key's only residency with
+    /// exactly those bits; the residency count is exact.
+    fn check(s: &Shard, runs: &Runs) -> Result<(), TestCaseError> {
         let c = &s.core;
         let mut count = 0;
-        for (&h, &li) in &c.list_of {
-            let list = &c.lists[li];
-            prop_assert!(!list.overflow);
-            let dead = list.keys.iter().filter(|&&k| k == TOMB).count();
-            prop_assert_eq!(dead, list.dead);
-            prop_assert!(list.dead < COMPACT_MIN || 2 * list.dead < list.keys.len());
-            for (p, &k) in list.keys.iter().enumerate() {
-                if k == TOMB {
-                    continue;
-                }
-                let i = c.table.find(k);
-                prop_assert!(i.is_some(), "listed key {k} of {h} absent");
-                let held = c.table.get(k).bits_of(h);
-                prop_assert!(held != 0, "listed key {k} of {h} not held");
-                prop_assert_eq!(c.table.position_of(k, h) as usize, p, "key {} of {}", k, h);
-            }
-            let mut live: Vec<u64> = list.keys.iter().copied().filter(|&k| k != TOMB).collect();
-            live.sort_unstable();
-            live.dedup();
-            prop_assert_eq!(live.len(), list.keys.len() - dead);
-            count += live.len();
+        for k in 0..KEYS {
+            c.table.get(k).for_each(|h, _| {
+                count += 1;
+                let listed = c
+                    .list_of
+                    .get(&h)
+                    .is_some_and(|&li| c.lists[li].keys.contains(&k));
+                assert!(listed, "residency ({k}, {h}) unlisted");
+            });
         }
         prop_assert_eq!(count, c.residencies);
+        for (&h, &li) in &c.list_of {
+            let list = &c.lists[li];
+            let held = (0..KEYS).filter(|&k| c.table.holds(k, h)).count();
+            prop_assert_eq!(list.live(), held, "holder {}", h);
+            prop_assert!(list.dropped.len() < COMPACT_MIN + list.live());
+            // Exactly the live keys survive a compaction, each once.
+            let mut copy = SourceKeys {
+                keys: list.keys.clone(),
+                dropped: list.dropped.clone(),
+            };
+            copy.compact(&mut U64Map::default());
+            let mut live = copy.keys.clone();
+            live.sort_unstable();
+            let mut want: Vec<u64> = (0..KEYS).filter(|&k| c.table.holds(k, h)).collect();
+            want.sort_unstable();
+            prop_assert_eq!(live, want, "holder {}", h);
+            if let Some(log) = runs.get(h) {
+                for (k, state) in log.read().unwrap().known() {
+                    prop_assert_eq!(
+                        c.table.get(k),
+                        Holders::One(crate::table::entry(h, state)),
+                        "run entry ({}, {}) of {}",
+                        k,
+                        state,
+                        h
+                    );
+                }
+            }
+        }
         Ok(())
     }
 
     #[derive(Debug, Clone)]
     enum Step {
-        Set(u64, u32, Bits),
+        Set(u64, u32, u64, Bits),
         Unset(u64, u32, Bits),
         Spec(u64, u32, u64),
         Clear(u32, Bits, usize),
@@ -404,10 +463,10 @@ mod tests {
     }
 
     fn step() -> impl Strategy<Value = Step> {
-        let key = 0..12u64;
+        let key = 0..KEYS;
         let holder = 0..4u32;
         prop_oneof![
-            6 => (key.clone(), holder.clone(), 1..16u8).prop_map(|(k, h, b)| Step::Set(k, h, b)),
+            6 => (key.clone(), holder.clone(), 1..5u64, 1..16u8).prop_map(|(k, h, n, b)| Step::Set(k, h, n, b)),
             4 => (key.clone(), holder.clone(), 1..16u8).prop_map(|(k, h, b)| Step::Unset(k, h, b)),
             2 => (key, holder.clone(), 0..20u64).prop_map(|(k, h, d)| Step::Spec(k, h, d)),
             1 => (holder, 1..32u8, 1..4usize).prop_map(|(h, b, n)| Step::Clear(h, b, n)),
@@ -422,20 +481,37 @@ mod tests {
             capacity in prop_oneof![Just(5usize), Just(1000)],
         ) {
             let mut s = Shard::new(capacity);
+            let runs = Runs::default();
             for st in steps {
                 match st {
-                    Step::Set(k, h, b) => s.apply(h, &[Op::Set(BlockKey(k), b & ALL_TIERS)], Millis(0)),
-                    Step::Unset(k, h, b) => s.apply(h, &[Op::Unset(BlockKey(k), b & ALL_TIERS)], Millis(0)),
-                    Step::Spec(k, h, d) => s.apply(h, &[Op::Spec(BlockKey(k))], Millis(d)),
+                    Step::Set(k, h, n, b) => with_log(&mut s, &runs, Some(h), |s, r| {
+                        // A run of `n` consecutive keys, as one event stores them.
+                        let base = r.own.as_deref_mut().unwrap().reserve_run(n as usize);
+                        let ops: Vec<Op> = (0..n)
+                            .map(|j| Op::Set(BlockKey((k + j) % KEYS), b & ALL_TIERS, base + j as u32))
+                            .collect();
+                        s.apply(h, &ops, Millis(0), r);
+                    }),
+                    Step::Unset(k, h, b) => with_log(&mut s, &runs, Some(h), |s, r| {
+                        s.apply(h, &[Op::Unset(BlockKey(k), b & ALL_TIERS)], Millis(0), r);
+                    }),
+                    Step::Spec(k, h, d) => with_log(&mut s, &runs, Some(h), |s, r| {
+                        let pos = r.own.as_deref_mut().unwrap().reserve_run(1);
+                        s.apply(h, &[Op::Spec(BlockKey(k), pos)], Millis(d), r);
+                    }),
                     Step::Clear(h, b, n) => {
                         let mut cursor = usize::MAX;
                         while cursor > 0 {
-                            cursor = s.clear_some(h, b & (ALL_TIERS | SPEC), cursor, n);
+                            cursor = with_log(&mut s, &runs, None, |s, r| {
+                                s.clear_some(h, b & (ALL_TIERS | SPEC), cursor, n, r)
+                            });
                         }
                     }
-                    Step::Expire(now) => while s.expire(Millis(now), 2).1 {},
+                    Step::Expire(now) => {
+                        while with_log(&mut s, &runs, None, |s, r| s.expire(Millis(now), 2, r)).1 {}
+                    }
                 }
-                check(&s)?;
+                check(&s, &runs)?;
                 prop_assert!(s.residencies() <= capacity);
             }
         }

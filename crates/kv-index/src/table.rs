@@ -12,11 +12,11 @@
 //! | 37 | CLOCK: new (one turn of grace) | the same |
 //! | 38 | 0 | `MULTI` |
 //! | 39 | CLOCK: referenced (two turns) | the same |
-//! | 40..64 | its position in its source's key list | holder count |
+//! | 40..64 | its position in its holder's run log | holder count |
 //!
 //! A word of 0 is a vacant slot. Arena entries are `holder << 32 | position << 8 | bits`, so
-//! a chunk sorted as integers is sorted by holder (endpoints before nodes). The position lets
-//! a source's key list drop a key in O(1) when the residency goes.
+//! a chunk sorted as integers is sorted by holder (endpoints before nodes). The position is
+//! the residency's entry in its holder's [`crate::runs::RunLog`] ([`NO_POS`]: none).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -50,10 +50,10 @@ const REF: u64 = 1 << 39;
 const LEN_SHIFT: u32 = 40;
 /// The most holders one block records (24 bits); further holders of that block are ignored.
 pub(crate) const MAX_HOLDERS: usize = (1 << 24) - 1;
-/// "Not in its source's key list" (a list past 2^24 - 1 keys; see the shard).
+/// "No run-log entry".
 pub(crate) const NO_POS: u32 = (1 << 24) - 1;
 const POS_SHIFT: u32 = 40;
-/// An arena entry without its list position: what lookups compare.
+/// An arena entry without its run-log position: what lookups compare.
 pub(crate) const ENTRY_MASK: u64 = !(0xFF_FFFF << 8);
 const MIN_CAP: usize = 16;
 
@@ -78,6 +78,11 @@ pub(crate) const fn entry_holder(e: u64) -> u32 {
 /// The bits of an arena entry.
 pub(crate) const fn entry_bits(e: u64) -> Bits {
     (e & 0xFF) as Bits
+}
+
+/// A one-holder slot word as [`Table::touch`] returns it: equal words, equal residencies.
+pub(crate) const fn one_word(holder: u32, bits: Bits) -> u64 {
+    single_word(holder, bits, 0)
 }
 
 const fn single_word(holder: u32, bits: Bits, pos: u32) -> u64 {
@@ -124,7 +129,7 @@ pub(crate) enum Holders<'a> {
     None,
     /// One holder: `entry(holder, bits)`.
     One(u64),
-    /// Two or more, sorted by holder: `entry(holder, bits)` each, plus list positions (mask
+    /// Two or more, sorted by holder: `entry(holder, bits)` each, plus run-log positions (mask
     /// with [`ENTRY_MASK`] to compare).
     Many(&'a [u64]),
 }
@@ -155,6 +160,33 @@ impl Holders<'_> {
                 .ok()
                 .and_then(|p| list.get(p))
                 .map_or(0, |&e| entry_bits(e)),
+        }
+    }
+}
+
+/// What [`Table::update`] did to a residency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Update {
+    /// The holder's bits before.
+    pub(crate) old: Bits,
+    /// The holder's bits after (0: the residency is gone).
+    pub(crate) new: Bits,
+    /// The residency's run-log position (the new one's when it was created here).
+    pub(crate) pos: u32,
+    /// The holder is now the block's only holder.
+    pub(crate) sole: bool,
+    /// The block's former only holder and its position, when this update made it shared.
+    pub(crate) displaced: Option<(u32, u32)>,
+}
+
+impl Update {
+    const fn none(new_pos: u32) -> Self {
+        Self {
+            old: 0,
+            new: 0,
+            pos: new_pos,
+            sole: false,
+            displaced: None,
         }
     }
 }
@@ -311,9 +343,45 @@ impl Table {
         self.find(key).map_or(Holders::None, |i| self.holders(i))
     }
 
+    /// The only holder of the block in slot `i`: (holder, bits, run-log position).
+    pub(crate) fn sole(&self, i: usize) -> Option<(u32, Bits, u32)> {
+        let w = self.word(i);
+        if w == 0 || w & MULTI != 0 {
+            return None;
+        }
+        let e = single_entry(w);
+        Some((entry_holder(e), entry_bits(e), entry_pos(e)))
+    }
+
+    /// Where a lookup can continue from the block in slot `i` in some holder's run log:
+    /// (holder, position) of its only holder, or of `prefer` among several (else the first
+    /// with a position).
+    pub(crate) fn cursor(&self, i: usize, prefer: u32) -> Option<(u32, u32)> {
+        let logged = |e: u64| (entry_pos(e) != NO_POS).then(|| (entry_holder(e), entry_pos(e)));
+        let w = self.word(i);
+        if w == 0 {
+            return None;
+        }
+        if w & MULTI == 0 {
+            return logged(single_entry(w));
+        }
+        let list = self.chunk(w as u32, (w >> LEN_SHIFT) as usize);
+        list.binary_search_by_key(&prefer, |&e| entry_holder(e))
+            .ok()
+            .and_then(|p| list.get(p))
+            .and_then(|&e| logged(e))
+            .or_else(|| list.iter().find_map(|&e| logged(e)))
+    }
+
+    /// Whether `holder` has a residency on `key`.
+    #[cfg(test)]
+    pub(crate) fn holds(&self, key: u64, holder: u32) -> bool {
+        self.get(key).bits_of(holder) != 0
+    }
+
     /// Sets slot `i`'s CLOCK reference bit (readers call this under the shared lock; a
     /// relaxed store is enough for a hint, and no writer runs meanwhile). Returns the slot's
-    /// word without its CLOCK bits and list position: equal one-holder words mean equal
+    /// word without its CLOCK bits and run-log position: equal one-holder words mean equal
     /// residencies.
     pub(crate) fn touch(&self, i: usize) -> u64 {
         let Some(s) = self.slot(i) else {
@@ -332,7 +400,14 @@ impl Table {
 
     /// The CLOCK hand passes slot `i`: a referenced block drops to new, a new one to
     /// unreferenced. `None` when the slot is vacant, else whether the block had a chance left.
-    pub(crate) fn take_reference(&mut self, i: usize) -> Option<bool> {
+    /// A block with one holder whose lookups walked its run-log entry instead of probing it
+    /// counts as referenced when `walked(key, holder, position)` says so.
+    pub(crate) fn take_reference(
+        &mut self,
+        i: usize,
+        walked: impl FnOnce(u64, u32, u32) -> bool,
+    ) -> Option<bool> {
+        let key = self.peek(i);
         let s = self.slot_mut(i)?;
         let w = s.word.get_mut();
         if *w == 0 {
@@ -344,6 +419,9 @@ impl Table {
         } else if *w & NEW != 0 {
             *w &= !NEW;
             Some(true)
+        } else if *w & MULTI == 0 && walked(key, *w as u32, (*w >> POS_SHIFT) as u32) {
+            *w |= NEW;
+            Some(true)
         } else {
             Some(false)
         }
@@ -351,22 +429,25 @@ impl Table {
 
     /// Applies `f` to `holder`'s bits on `key` (zero when absent), storing the result and
     /// dropping the residency (and the block with its last one) when it is zero. A residency
-    /// created here records `new_pos` as its list position. Returns the bits before and after
-    /// and the residency's list position.
+    /// created here records `new_pos` as its run-log position.
     pub(crate) fn update(
         &mut self,
         key: u64,
         holder: u32,
         f: impl FnOnce(Bits) -> Bits,
         new_pos: u32,
-    ) -> (Bits, Bits, u32) {
+    ) -> Update {
         let Some(i) = self.find(key) else {
             let new = f(0);
             if new != 0 {
                 // New blocks get one turn of the CLOCK hand; looked-up ones two.
                 self.insert_new(key, single_word(holder, new, new_pos) | NEW);
             }
-            return (0, new, new_pos);
+            return Update {
+                new,
+                sole: new != 0,
+                ..Update::none(new_pos)
+            };
         };
         let w = self.word(i);
         if w & MULTI == 0 {
@@ -379,21 +460,31 @@ impl Table {
                 } else {
                     self.set_word(i, single_word(h, new, pos) | REF);
                 }
-                return (old, new, pos);
+                return Update {
+                    old,
+                    new,
+                    pos,
+                    sole: new != 0,
+                    displaced: None,
+                };
             }
             let new = f(0);
             if new == 0 {
-                return (0, 0, NO_POS);
+                return Update::none(NO_POS);
             }
             let Some(off) = self.alloc(1) else {
-                return (0, 0, NO_POS);
+                return Update::none(NO_POS);
             };
             let b = entry_at(holder, new, new_pos);
             if let Some(chunk) = self.arena.get_mut(off as usize..off as usize + 2) {
                 chunk.copy_from_slice(&[e.min(b), e.max(b)]);
             }
             self.set_word(i, multi_word(off, 2) | REF);
-            return (0, new, new_pos);
+            return Update {
+                new,
+                displaced: Some((h, pos)),
+                ..Update::none(new_pos)
+            };
         }
         let off = w as u32;
         let len = (w >> LEN_SHIFT) as usize;
@@ -405,12 +496,19 @@ impl Table {
                 let e = self.chunk(off, len).get(p).copied().unwrap_or(0);
                 let (old, pos) = (entry_bits(e), entry_pos(e));
                 let new = f(old);
+                let done = Update {
+                    old,
+                    new,
+                    pos,
+                    sole: false,
+                    displaced: None,
+                };
                 if new != 0 {
                     if let Some(slot) = self.chunk_mut(off, len).get_mut(p) {
                         *slot = entry_at(holder, new, pos);
                     }
                     self.set_word(i, w | REF);
-                    return (old, new, pos);
+                    return done;
                 }
                 if let Some(tail) = self.chunk_mut(off, len).get_mut(p..) {
                     tail.rotate_left(1);
@@ -426,15 +524,15 @@ impl Table {
                     let off = self.resize_chunk(off, len + 1, len).unwrap_or(off);
                     self.set_word(i, multi_word(off, len) | REF);
                 }
-                (old, 0, pos)
+                done
             }
             Err(p) => {
                 let new = f(0);
                 if new == 0 || len >= MAX_HOLDERS {
-                    return (0, 0, NO_POS);
+                    return Update::none(NO_POS);
                 }
                 let Some(off) = self.resize_chunk(off, len, len + 1) else {
-                    return (0, 0, NO_POS);
+                    return Update::none(NO_POS);
                 };
                 if let Some(tail) = self.chunk_mut(off, len + 1).get_mut(p..) {
                     tail.rotate_right(1);
@@ -443,12 +541,15 @@ impl Table {
                     }
                 }
                 self.set_word(i, multi_word(off, len + 1) | REF);
-                (0, new, new_pos)
+                Update {
+                    new,
+                    ..Update::none(new_pos)
+                }
             }
         }
     }
 
-    /// `holder`'s list position on `key` ([`NO_POS`] when it has no residency there).
+    /// `holder`'s run-log position on `key` ([`NO_POS`] when it has no residency there).
     #[cfg(test)]
     pub(crate) fn position_of(&self, key: u64, holder: u32) -> u32 {
         let Some(i) = self.find(key) else {
@@ -471,30 +572,7 @@ impl Table {
             .map_or(NO_POS, |&e| entry_pos(e))
     }
 
-    /// Records `pos` as `holder`'s list position on `key` (after its list moved the key).
-    pub(crate) fn set_pos(&mut self, key: u64, holder: u32, pos: u32) {
-        let Some(i) = self.find(key) else {
-            return;
-        };
-        let w = self.word(i);
-        if w & MULTI == 0 {
-            if w as u32 == holder {
-                let w =
-                    (w & !(0xFF_FFFF << POS_SHIFT)) | ((u64::from(pos) & 0xFF_FFFF) << POS_SHIFT);
-                self.set_word(i, w);
-            }
-            return;
-        }
-        let (off, len) = (w as u32, (w >> LEN_SHIFT) as usize);
-        let chunk = self.chunk_mut(off, len);
-        if let Ok(p) = chunk.binary_search_by_key(&holder, |&e| entry_holder(e))
-            && let Some(e) = chunk.get_mut(p)
-        {
-            *e = entry_at(entry_holder(*e), entry_bits(*e), pos);
-        }
-    }
-
-    /// Removes the block in slot `i`, calling `f(holder, bits, list position)` for each of its
+    /// Removes the block in slot `i`, calling `f(holder, bits, run-log position)` for each of its
     /// residencies; returns its key and holder count (`None` when vacant). A later block may
     /// move into slot `i`.
     pub(crate) fn evict(
@@ -521,32 +599,6 @@ impl Table {
         };
         self.remove_at(i);
         Some((key, n))
-    }
-
-    /// The keys `holder` has a residency on: a full scan, for a source
-    /// whose key list overflowed.
-    pub(crate) fn scan(&self, holder: u32) -> Vec<u64> {
-        let mut out = Vec::new();
-        for b in self.buckets.iter() {
-            for s in &b.0 {
-                let w = s.word.load(Relaxed);
-                if w == 0 {
-                    continue;
-                }
-                let holds = if w & MULTI == 0 {
-                    w as u32 == holder
-                } else {
-                    let (off, len) = (w as u32, (w >> LEN_SHIFT) as usize);
-                    self.chunk(off, len)
-                        .binary_search_by_key(&holder, |&e| entry_holder(e))
-                        .is_ok()
-                };
-                if holds {
-                    out.push(s.key);
-                }
-            }
-        }
-        out
     }
 
     fn chunk(&self, off: u32, len: usize) -> &[u64] {
@@ -689,8 +741,8 @@ mod tests {
 
     impl Upd for Table {
         fn upd(&mut self, key: u64, h: u32, f: impl FnOnce(Bits) -> Bits) -> (Bits, Bits) {
-            let (old, new, _) = self.update(key, h, f, h + 100);
-            (old, new)
+            let u = self.update(key, h, f, h + 100);
+            (u.old, u.new)
         }
     }
 
@@ -705,7 +757,11 @@ mod tests {
             assert_eq!(t.upd(9, h, |b| b | 2), (0, 2));
         }
         for h in [1u32, 2, 3, 5, 7, 9] {
-            assert_eq!(t.update(9, h, |b| b, 0).2, h + 100, "holder {h}'s position");
+            assert_eq!(
+                t.update(9, h, |b| b, 0).pos,
+                h + 100,
+                "holder {h}'s position"
+            );
         }
         let Holders::Many(list) = t.get(9) else {
             panic!("several holders")
@@ -721,9 +777,9 @@ mod tests {
         }
         assert_eq!(t.get(9), Holders::One(entry(3, 2)));
         // Positions follow their residencies through chunk moves and back inline.
-        assert_eq!(t.update(9, 3, |b| b, 0).2, 103);
-        t.set_pos(9, 3, 7);
-        assert_eq!(t.update(9, 3, |b| b, 0).2, 7);
+        assert_eq!(t.update(9, 3, |b| b, 0).pos, 103);
+        assert_eq!(t.position_of(9, 3), 103);
+        assert_eq!(t.sole(t.find(9).unwrap()), Some((3, 2, 103)));
         assert_eq!(t.upd(9, 4, |_| 0), (0, 0), "removing an absent holder");
         assert_eq!(t.upd(9, 3, |_| 0), (2, 0));
         assert_eq!(t.len(), 0);
@@ -734,6 +790,39 @@ mod tests {
         t.upd(1, 2, |_| 1);
         t.upd(1, 3, |_| 1);
         assert_eq!(t.arena.len(), arena);
+    }
+
+    #[test]
+    fn updates_report_sole_holders_and_displacements() {
+        let mut t = Table::default();
+        let u = t.update(7, 1, |_| 1, 10);
+        assert_eq!((u.sole, u.displaced, u.pos), (true, None, 10));
+        let u = t.update(7, 1, |b| b | 2, 11);
+        assert_eq!((u.old, u.new, u.sole, u.pos), (1, 3, true, 10));
+        let u = t.update(7, 2, |_| 1, 20);
+        assert_eq!((u.sole, u.displaced, u.pos), (false, Some((1, 10)), 20));
+        assert_eq!(t.sole(t.find(7).unwrap()), None);
+        let u = t.update(7, 3, |_| 1, 30);
+        assert_eq!((u.sole, u.displaced), (false, None));
+        let u = t.update(7, 2, |_| 0, 99);
+        assert_eq!((u.old, u.new, u.pos, u.sole), (1, 0, 20, false));
+        t.update(7, 3, |_| 0, 99);
+        // Back to one holder: it keeps its position; the CLOCK asks about its entry.
+        let i = t.find(7).unwrap();
+        assert_eq!(t.sole(i), Some((1, 3, 10)));
+        assert_eq!(
+            t.take_reference(i, |_, _, _| false),
+            Some(true),
+            "rewritten"
+        );
+        assert_eq!(t.take_reference(i, |_, _, _| false), Some(true), "new");
+        assert_eq!(
+            t.take_reference(i, |k, h, p| (k, h, p) == (7, 1, 10)),
+            Some(true)
+        );
+        assert_eq!(t.take_reference(i, |_, _, _| true), Some(true));
+        assert_eq!(t.take_reference(i, |_, _, _| false), Some(false));
+        assert!(t.holds(7, 1) && !t.holds(7, 2));
     }
 
     #[test]

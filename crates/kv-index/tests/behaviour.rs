@@ -176,3 +176,36 @@ fn bad_configs_are_rejected() {
     );
     assert_eq!(ConfigError::Shards(3).metric_label(), "shards");
 }
+
+#[test]
+fn a_run_walk_sees_a_block_that_became_shared() {
+    // The node stores a chain in three adjacent events (one run in its log, mixed tiers); an
+    // endpoint on it then stores block 5 itself, faster than the node has it. A lookup that
+    // walks the node's run must not take block 5 as the node's alone.
+    let idx = KvIndex::new(IndexConfig::default()).unwrap();
+    let node = NodeId::new(3).unwrap();
+    idx.set_endpoint_node(ep(0), Some(node));
+    let k = keys(10);
+    let n = Holder::Node(node);
+    idx.apply(
+        n,
+        &[
+            stored(&k[..5], Tier::Host),
+            stored(&k[5..6], Tier::Disk),
+            stored(&k[6..], Tier::Host),
+        ],
+    );
+    assert_eq!(idx.find_matches(&k, &[ep(0)])[0].reaches(), [0, 5, 10, 10]);
+    idx.apply(Holder::Endpoint(ep(0)), &[stored(&k[5..6], Tier::Host)]);
+    assert_eq!(idx.find_matches(&k, &[ep(0)])[0].reaches(), [0, 10, 10, 10]);
+    // And back: the endpoint drops it; the node's entry stays exact (it only loses its
+    // shortcut).
+    idx.apply(
+        Holder::Endpoint(ep(0)),
+        &[KvEvent::Removed {
+            keys: k[5..6].to_vec(),
+            tier: Tier::Host,
+        }],
+    );
+    assert_eq!(idx.find_matches(&k, &[ep(0)])[0].reaches(), [0, 5, 10, 10]);
+}
