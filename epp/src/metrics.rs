@@ -72,6 +72,18 @@ pub fn render(s: &Sources) -> String {
         get(&p.approximate_keys) as f64,
     );
     metric(
+        "kvgate_epp_keying_early_stops_total",
+        "counter",
+        "Requests whose tokenization stopped at the first chunk no endpoint held (token counts estimated).",
+        get(&p.early_stops) as f64,
+    );
+    metric(
+        "kvgate_epp_estimated_prompt_tokens_total",
+        "counter",
+        "Prompt tokens estimated from the remaining bytes instead of tokenized (early stops).",
+        get(&p.estimated_tokens) as f64,
+    );
+    metric(
         "kvgate_epp_prompt_blocks_total",
         "counter",
         "Prompt blocks looked up in the index.",

@@ -36,7 +36,8 @@ pub(crate) enum Engine<'a> {
     Byte,
 }
 
-/// Ids of a prompt, chunk by chunk. See the [module docs](self).
+/// Ids of a prompt, chunk by chunk, each chunk ending at a cut where tokenization is additive
+/// (see [`crate::TextTokenizer::prompt_cursor`]).
 #[derive(Debug)]
 pub struct EncodeCursor<'a> {
     text: Cow<'a, str>,

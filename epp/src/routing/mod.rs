@@ -5,3 +5,6 @@ pub mod picker;
 pub mod request;
 pub mod rewrite;
 pub mod stats;
+
+#[cfg(test)]
+mod early_stop_props;

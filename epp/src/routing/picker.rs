@@ -6,8 +6,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use kv_index::{KvIndex, Millis};
-use scheduler::{InflightToken, InflightTracker, LoadBook, Routed, ScheduleRequest, Scheduler};
+use kv_events::{BlockKey, Tier};
+use kv_index::{EndpointId, KvIndex, Millis, Overlap};
+use scheduler::{
+    Endpoint, InflightToken, InflightTracker, LoadBook, Routed, ScheduleRequest, Scheduler,
+};
 
 use super::keys::{Keyed, Keyer};
 use super::request::{self, Api};
@@ -42,6 +45,12 @@ pub struct PickerStats {
     pub prompt_blocks: AtomicU64,
     /// Of those, blocks the primary held on GPU.
     pub gpu_hit_blocks: AtomicU64,
+    /// Requests whose keying stopped before the end of the prompt (no endpoint held the newest
+    /// key); their token counts are estimates.
+    pub early_stops: AtomicU64,
+    /// Prompt tokens estimated rather than tokenized (the part of early-stopped prompts past
+    /// the last chunk tokenized).
+    pub estimated_tokens: AtomicU64,
     /// Decisions, total nanoseconds (parse → pick).
     pub decision_nanos: AtomicU64,
     /// Requests whose model was rewritten.
@@ -183,6 +192,7 @@ impl Picker {
         &self,
         input: &RoutingInput<'_>,
         ticket: u64,
+        endpoints: &[Endpoint],
     ) -> Result<Prepared, (Rejection, String)> {
         let api = Api::of_path(input.path);
         let (Some(body), Api::Completions | Api::Chat) = (input.body, api) else {
@@ -217,9 +227,18 @@ impl Picker {
             ),
             None => None,
         };
+        // Keying stops once no endpoint of the pool (a superset of the candidates) holds the
+        // newest key: a point query per tokenized chunk.
+        let pool: Vec<EndpointId> = endpoints.iter().map(|e| e.id).collect();
+        let mut found: Vec<Overlap> = Vec::with_capacity(pool.len());
+        let mut held = |key: BlockKey| {
+            found.clear();
+            self.index.find_matches_into(&[key], &pool, &mut found);
+            found.iter().any(|o| o.reach(Tier::Remote) > 0)
+        };
         let keyed = self
             .keyer
-            .key_served(&parsed, target.as_deref())
+            .key_served(&parsed, target.as_deref(), &mut held)
             .map_err(|e| {
                 let r = if e.is_client_error() {
                     Rejection::BadRequest(e.to_string())
@@ -253,12 +272,12 @@ impl Router for Picker {
     fn route(&self, input: RoutingInput<'_>) -> Result<Decision, Rejection> {
         let started = Instant::now();
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
-        let prepared = match self.prepare(&input, ticket) {
+        let endpoints = self.datastore.snapshot();
+        let prepared = match self.prepare(&input, ticket, &endpoints) {
             Ok(p) => p,
             Err((rejection, model)) => return Err(self.reject(rejection, &model)),
         };
         let keyed = &prepared.keyed;
-        let endpoints = self.datastore.snapshot();
         let (priority, objective) = self.priority(&input);
         if priority < 0
             && self
@@ -281,13 +300,19 @@ impl Router for Picker {
                 &prepared.model,
             ));
         }
-        let (keys, prompt_tokens, model) = match keyed {
-            Some(k) => (&k.keys[..], k.prompt_tokens, k.model.as_str()),
-            None => (&[][..], 0, ""),
+        let (keys, prompt_tokens, prompt_blocks, model) = match keyed {
+            Some(k) => (
+                &k.keys[..],
+                k.prompt_tokens,
+                Some(k.prompt_blocks),
+                k.model.as_str(),
+            ),
+            None => (&[][..], 0, None, ""),
         };
         let req = ScheduleRequest {
             keys,
             prompt_tokens,
+            prompt_blocks,
             model,
             subset: input.subset.as_deref(),
             now: self.now(),
@@ -327,6 +352,13 @@ impl Router for Picker {
                 &s.approximate_keys
             };
             counter.fetch_add(1, Ordering::Relaxed);
+            if k.stopped_early {
+                s.early_stops.fetch_add(1, Ordering::Relaxed);
+                s.estimated_tokens.fetch_add(
+                    u64::from(k.prompt_tokens.saturating_sub(k.tokenized)),
+                    Ordering::Relaxed,
+                );
+            }
         }
         s.prompt_blocks
             .fetch_add(u64::from(decision.prompt_blocks), Ordering::Relaxed);
