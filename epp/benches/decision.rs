@@ -13,7 +13,8 @@
 //!   the EPP never saw (~250 tokens), and a long new user turn (~450 tokens): ~700 new tokens.
 //! - `cold`: a conversation never seen before: everything is tokenized.
 //!
-//! Run: `cargo bench -p kvgate-epp --bench decision` (`-- 8k` or `-- 100k` for one size).
+//! Run: `cargo bench -p kvgate-epp --bench decision` (`-- 8k` or `-- 100k` for one size,
+//! `-- breakdown` for the stages of a warm 8k decision timed alone).
 
 #![allow(
     clippy::unwrap_used,
@@ -304,11 +305,21 @@ fn scenario(dir: &Path, label: &str, words_per_turn: usize, turns: usize, n: usi
         cold.push(route(&picker, &body(&full)));
     }
     report(&format!("{label} cold"), tokens, cold);
+    let stats = picker.stats();
+    println!(
+        "{label}: {} of {} routed requests stopped keying early ({} tokens estimated)",
+        stats.early_stops.load(std::sync::atomic::Ordering::Relaxed),
+        stats.routed.load(std::sync::atomic::Ordering::Relaxed),
+        stats
+            .estimated_tokens
+            .load(std::sync::atomic::Ordering::Relaxed),
+    );
 }
 
-/// Where a warm 8k decision spends its time: each stage timed alone on the same inputs.
+/// Where a warm 8k decision spends its time: each stage timed alone on the same inputs, then
+/// the whole `Picker::route` on a fully cached prompt.
 fn breakdown(dir: &Path) {
-    use kvgate_epp::routing::request::{Api, Input, parse};
+    use kvgate_epp::routing::request::{Api, parse};
     let tok = tokenize::TextTokenizer::from_dir(dir).unwrap();
     let cache = tokenize::SegmentCache::new(256 << 20);
     let mut rng = Rng(0xbeef);
@@ -316,12 +327,22 @@ fn breakdown(dir: &Path) {
         .map(|_| conversation(&mut rng, 400, 12, 400))
         .collect();
     let bodies: Vec<_> = convs.iter().map(|c| body(c)).collect();
+    let questions: Vec<String> = (0..50).map(|_| rng.text(30)).collect();
     let opts = tokenize::ChatOptions {
         add_generation_prompt: true,
         ..Default::default()
     };
+    let chunk = tokenize::DEFAULT_CHUNK_BYTES;
+    let drain = |c: &[serde_json::Value]| {
+        let mut cursor = tok.chat_cursor(c, &opts, Some(&cache), chunk).unwrap();
+        let mut ids = Vec::new();
+        while let Some(n) = cursor.next_into(&mut ids) {
+            n.unwrap();
+        }
+        ids
+    };
     for c in &convs {
-        let _ = tok.encode_chat_cached(c, &opts, &cache).unwrap();
+        let _ = drain(c);
     }
     let time = |name: &str, f: &dyn Fn(usize)| {
         let mut v: Vec<Duration> = (0..bodies.len())
@@ -333,7 +354,7 @@ fn breakdown(dir: &Path) {
             .collect();
         v.sort_unstable();
         println!(
-            "  {name:<28} p50 {:>8.1} µs",
+            "  {name:<40} p50 {:>8.1} µs",
             v[v.len() / 2].as_secs_f64() * 1e6
         );
     };
@@ -343,17 +364,40 @@ fn breakdown(dir: &Path) {
     time("render chat template", &|i| {
         let _ = tok.render_chat(&convs[i], &opts).unwrap();
     });
-    time("render + cached encode", &|i| {
+    time("render + cached encode (1 KiB chunks)", &|i| {
+        let _ = drain(&convs[i]);
+    });
+    time("render + cached encode (whole segments)", &|i| {
         let _ = tok.encode_chat_cached(&convs[i], &opts, &cache).unwrap();
     });
-    let ids: Vec<Vec<u32>> = convs
-        .iter()
-        .map(|c| tok.encode_chat_cached(c, &opts, &cache).unwrap().0)
-        .collect();
+    time("encode a new 30-word question (cold)", &|i| {
+        let _ = tok.encode_prompt(&questions[i]).unwrap();
+    });
+    let ids: Vec<Vec<u32>> = convs.iter().map(|c| drain(c)).collect();
     time("block keys", &|i| {
         let _ = kv_events::key::block_keys(kv_events::KeySeed::new(MODEL, None), &ids[i], BLOCK);
     });
-    let _ = Input::Prompt;
+    let picker = setup(dir);
+    let keyer = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL).with_model(
+        MODEL,
+        ModelTokenizer::new(tokenize::TextTokenizer::from_dir(dir).unwrap(), 256 << 20),
+    );
+    let parsed: Vec<_> = bodies
+        .iter()
+        .map(|b| parse(Api::Chat, b).unwrap())
+        .collect();
+    for p in &parsed {
+        let _ = keyer.key(p).unwrap();
+    }
+    time("Keyer::key (render, encode, keys)", &|i| {
+        let _ = keyer.key(&parsed[i]).unwrap();
+    });
+    for b in &bodies {
+        let _ = route(&picker, b);
+    }
+    time("Picker::route, all cached", &|i| {
+        let _ = route(&picker, &bodies[i]);
+    });
 }
 
 fn main() {

@@ -79,6 +79,47 @@ struct Prepared {
     body: Option<Vec<u8>>,
 }
 
+/// Whether any endpoint of the pool holds a key, in any tier (speculation included): the
+/// early-stop probe of keying. The endpoint that held the previous key is asked first (one
+/// candidate instead of the pool), since a prompt's blocks usually sit together.
+struct PoolProbe<'a> {
+    index: &'a KvIndex,
+    pool: Vec<EndpointId>,
+    last: Option<EndpointId>,
+    found: Vec<Overlap>,
+}
+
+impl<'a> PoolProbe<'a> {
+    fn new(index: &'a KvIndex, endpoints: &[Endpoint]) -> Self {
+        Self {
+            index,
+            pool: endpoints.iter().map(|e| e.id).collect(),
+            last: None,
+            found: Vec::with_capacity(endpoints.len()),
+        }
+    }
+
+    fn held(&mut self, key: BlockKey) -> bool {
+        if let Some(last) = self.last {
+            self.found.clear();
+            self.index
+                .find_matches_into(&[key], &[last], &mut self.found);
+            if self.found.iter().any(|o| o.reach(Tier::Remote) > 0) {
+                return true;
+            }
+        }
+        self.found.clear();
+        self.index
+            .find_matches_into(&[key], &self.pool, &mut self.found);
+        self.last = self
+            .found
+            .iter()
+            .find(|o| o.reach(Tier::Remote) > 0)
+            .map(|o| o.endpoint);
+        self.last.is_some()
+    }
+}
+
 /// Implements [`Router`] for one InferencePool.
 #[derive(Debug)]
 pub struct Picker {
@@ -229,16 +270,10 @@ impl Picker {
         };
         // Keying stops once no endpoint of the pool (a superset of the candidates) holds the
         // newest key: a point query per tokenized chunk.
-        let pool: Vec<EndpointId> = endpoints.iter().map(|e| e.id).collect();
-        let mut found: Vec<Overlap> = Vec::with_capacity(pool.len());
-        let mut held = |key: BlockKey| {
-            found.clear();
-            self.index.find_matches_into(&[key], &pool, &mut found);
-            found.iter().any(|o| o.reach(Tier::Remote) > 0)
-        };
+        let mut probe = PoolProbe::new(&self.index, endpoints);
         let keyed = self
             .keyer
-            .key_served(&parsed, target.as_deref(), &mut held)
+            .key_served(&parsed, target.as_deref(), &mut |key| probe.held(key))
             .map_err(|e| {
                 let r = if e.is_client_error() {
                     Rejection::BadRequest(e.to_string())
@@ -620,6 +655,36 @@ mod tests {
             assert!(text.contains(want), "missing {want}\n{text}");
         }
         assert_eq!(p.stats().model_rewrites.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn the_probe_finds_holders_in_any_tier_and_asks_the_last_holder_first() {
+        let (p, ds) = picker(3);
+        let eps = ds.snapshot();
+        let k = |i: u64| BlockKey(1000 + i);
+        let store = |e: usize, keys: Vec<BlockKey>, tier: Tier| {
+            p.index.apply(
+                kv_index::Holder::Endpoint(eps[e].id),
+                &[kv_events::KvEvent::Stored {
+                    keys,
+                    parent: None,
+                    tier,
+                    lora: None,
+                    token_count: 0,
+                }],
+            );
+        };
+        store(0, vec![k(0), k(1)], Tier::Gpu);
+        store(2, vec![k(2)], Tier::Disk);
+        let mut probe = PoolProbe::new(&p.index, &eps);
+        assert!(probe.held(k(0)));
+        assert_eq!(probe.last, Some(eps[0].id));
+        assert!(probe.held(k(1)));
+        assert!(probe.held(k(2)), "held on disk by another endpoint");
+        assert_eq!(probe.last, Some(eps[2].id));
+        assert!(!probe.held(k(3)));
+        assert_eq!(probe.last, None);
+        assert!(!PoolProbe::new(&p.index, &[]).held(k(0)));
     }
 
     #[derive(Debug)]
