@@ -184,9 +184,59 @@ fn tokenizer_dir() -> Option<PathBuf> {
     here.join("tokenizer.json").exists().then_some(here)
 }
 
-/// The picker over a populated index. Routing the previous turn leaves its blocks speculated on
-/// the chosen endpoint, as serving it would.
-fn setup(dir: &Path) -> Picker {
+/// The picker, with what the bench needs to play the engines' part.
+struct Bench {
+    picker: Picker,
+    index: Arc<KvIndex>,
+    endpoints: Arc<Datastore>,
+    /// Keys whole prompts (no early stop), as an engine caches them.
+    keyer: Keyer,
+}
+
+impl Bench {
+    /// Routes `body` untimed, then stores its whole prompt on the chosen endpoint, as the
+    /// engine's KV events would after serving it (the picker itself speculates only the keys
+    /// it computed, which stop at the first block no endpoint held).
+    fn serve(&self, body: &[u8]) {
+        use kvgate_epp::routing::request::{Api, parse};
+        let input = RoutingInput {
+            method: "POST",
+            path: "/v1/chat/completions",
+            headers: &[],
+            body: Some(body),
+            subset: None,
+            request_id: None,
+        };
+        let d = self.picker.route(input).expect("routed");
+        self.picker.on_response(d.ticket, ResponseEvent::End);
+        let keys = self
+            .keyer
+            .key(&parse(Api::Chat, body).unwrap())
+            .unwrap()
+            .keys;
+        let addr = &d.endpoints[0];
+        let id = self
+            .endpoints
+            .snapshot()
+            .iter()
+            .find(|e| e.address.to_string() == *addr)
+            .map(|e| e.id)
+            .unwrap();
+        self.index.apply(
+            Holder::Endpoint(id),
+            &[KvEvent::Stored {
+                keys,
+                parent: None,
+                tier: Tier::Gpu,
+                lora: None,
+                token_count: 0,
+            }],
+        );
+    }
+}
+
+/// The picker over a populated index.
+fn setup(dir: &Path) -> Bench {
     let tok = tokenize::TextTokenizer::from_dir(dir).expect("tokenizer");
     let keyer = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL)
         .with_model(MODEL, ModelTokenizer::new(tok, 256 << 20));
@@ -219,14 +269,23 @@ fn setup(dir: &Path) -> Picker {
             }],
         );
     }
-    Picker::new(
+    let picker = Picker::new(
         keyer,
         Scheduler::new(SchedulerConfig::default(), 7).unwrap(),
-        index,
+        Arc::clone(&index),
         Arc::new(InflightTracker::new()),
         Arc::new(LoadBook::new()),
-        ds,
-    )
+        Arc::clone(&ds),
+    );
+    let tok = tokenize::TextTokenizer::from_dir(dir).expect("tokenizer");
+    let full = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL)
+        .with_model(MODEL, ModelTokenizer::new(tok, 256 << 20));
+    Bench {
+        picker,
+        index,
+        endpoints: ds,
+        keyer: full,
+    }
 }
 
 fn route(picker: &Picker, body: &[u8]) -> Duration {
@@ -270,7 +329,8 @@ fn count_tokens(dir: &Path, messages: &[serde_json::Value]) -> usize {
 }
 
 fn scenario(dir: &Path, label: &str, words_per_turn: usize, turns: usize, n: usize, n_cold: usize) {
-    let picker = setup(dir);
+    let bench = setup(dir);
+    let picker = &bench.picker;
     let mut rng = Rng(0xc0ffee ^ words_per_turn as u64);
     let sample = conversation(&mut rng, words_per_turn, turns, words_per_turn);
     let tokens = count_tokens(dir, &sample);
@@ -289,8 +349,8 @@ fn scenario(dir: &Path, label: &str, words_per_turn: usize, turns: usize, n: usi
             } else {
                 full[..full.len() - 2].to_vec()
             };
-            let _ = route(&picker, &body(&previous));
-            out.push(route(&picker, &body(&full)));
+            bench.serve(&body(&previous));
+            out.push(route(picker, &body(&full)));
         }
         out
     };
@@ -302,7 +362,7 @@ fn scenario(dir: &Path, label: &str, words_per_turn: usize, turns: usize, n: usi
     let mut cold = Vec::with_capacity(n_cold);
     for _ in 0..n_cold {
         let full = conversation(&mut rng, words_per_turn, turns, words_per_turn);
-        cold.push(route(&picker, &body(&full)));
+        cold.push(route(picker, &body(&full)));
     }
     report(&format!("{label} cold"), tokens, cold);
     let stats = picker.stats();
@@ -377,7 +437,7 @@ fn breakdown(dir: &Path) {
     time("block keys", &|i| {
         let _ = kv_events::key::block_keys(kv_events::KeySeed::new(MODEL, None), &ids[i], BLOCK);
     });
-    let picker = setup(dir);
+    let bench = setup(dir);
     let keyer = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL).with_model(
         MODEL,
         ModelTokenizer::new(tokenize::TextTokenizer::from_dir(dir).unwrap(), 256 << 20),
@@ -393,10 +453,10 @@ fn breakdown(dir: &Path) {
         let _ = keyer.key(&parsed[i]).unwrap();
     });
     for b in &bodies {
-        let _ = route(&picker, b);
+        bench.serve(b);
     }
     time("Picker::route, all cached", &|i| {
-        let _ = route(&picker, &bodies[i]);
+        let _ = route(&bench.picker, &bodies[i]);
     });
 }
 
