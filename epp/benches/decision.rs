@@ -209,6 +209,8 @@ impl Bench {
         };
         let d = self.picker.route(input).expect("routed");
         self.picker.on_response(d.ticket, ResponseEvent::End);
+        // The engine takes far longer to serve it than the picker to finish tokenizing it.
+        self.picker.keyer().wait_idle();
         let keys = self
             .keyer
             .key(&parse(Api::Chat, body).unwrap())
@@ -403,6 +405,7 @@ fn breakdown(dir: &Path) {
     };
     for c in &convs {
         let _ = drain(c);
+        let _ = tok.encode_chat_cached(c, &opts, &cache).unwrap();
     }
     let time = |name: &str, f: &dyn Fn(usize)| {
         let mut v: Vec<Duration> = (0..bodies.len())

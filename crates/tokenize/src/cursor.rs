@@ -150,6 +150,11 @@ impl<'a> EncodeCursor<'a> {
         &self.text
     }
 
+    /// The text, consuming the cursor (to finish encoding it elsewhere).
+    pub fn into_text(self) -> String {
+        self.text.into_owned()
+    }
+
     /// Bytes of text encoded so far.
     pub fn consumed_bytes(&self) -> usize {
         self.pos

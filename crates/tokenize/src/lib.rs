@@ -277,6 +277,28 @@ impl TextTokenizer {
         ))
     }
 
+    /// An already rendered chat prompt ([`render_chat`](Self::render_chat)'s text) chunk by
+    /// chunk, exactly as [`chat_cursor`](Self::chat_cursor) walks it: for finishing, off the
+    /// request path, a prompt whose encoding stopped early, so `cache` holds every chunk.
+    pub fn rendered_chat_cursor<'a>(
+        &'a self,
+        text: &'a str,
+        cache: Option<&'a SegmentCache>,
+        chunk_bytes: usize,
+    ) -> Result<EncodeCursor<'a>> {
+        self.check_len("rendered chat", text.len())?;
+        let (engine, cache) = match &self.kind {
+            Kind::Hf(hf) => (cursor::Engine::Chunked(hf), cache),
+            Kind::Fallback(_) => (cursor::Engine::Byte, None),
+        };
+        Ok(EncodeCursor::new(
+            Cow::Borrowed(text),
+            engine,
+            cache,
+            chunk_bytes,
+        ))
+    }
+
     /// A chat request's ids chunk by chunk: [`render_chat`](Self::render_chat), then an
     /// [`EncodeCursor`] over the rendered prompt whose chunks concatenate to exactly
     /// [`encode_chat`](Self::encode_chat)'s ids (see [`prompt_cursor`](Self::prompt_cursor)

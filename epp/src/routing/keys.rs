@@ -23,6 +23,7 @@ use kv_events::key::{KeyHasher, SaltStyle, vllm_salt_extra_key};
 use kv_events::{BlockKey, KeySeed};
 use tokenize::{CacheOutcome, EncodeCursor, SegmentCache, TextTokenizer, TokenizeError};
 
+use super::finish::{FinishStats, Finisher};
 use super::request::{Input, ParsedRequest, Prompt};
 
 /// A served model's tokenizer and its cache.
@@ -40,6 +41,16 @@ impl ModelTokenizer {
             cache: SegmentCache::new(cache_bytes),
         }
     }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    /// Its segment cache.
+    pub fn cache(&self) -> &SegmentCache {
+        &self.cache
+    }
 }
 
 /// How a pool's requests are keyed.
@@ -51,6 +62,7 @@ pub struct Keyer {
     chunk_bytes: usize,
     models: HashMap<String, Arc<ModelTokenizer>>,
     fallback: Arc<ModelTokenizer>,
+    finisher: Option<Finisher>,
 }
 
 /// A keyed request.
@@ -167,13 +179,30 @@ impl Keyer {
             chunk_bytes: tokenize::DEFAULT_CHUNK_BYTES,
             models: HashMap::new(),
             fallback: Arc::new(ModelTokenizer::new(TextTokenizer::fallback(), 0)),
+            finisher: None,
         }
     }
 
-    /// Serves `model` with `tokenizer`.
+    /// Serves `model` with `tokenizer`. The first real tokenizer starts the background thread
+    /// that finishes early-stopped prompts (see `finish.rs`).
     pub fn with_model(mut self, model: impl Into<String>, tokenizer: ModelTokenizer) -> Self {
+        if self.finisher.is_none() && tokenizer.tokenizer.is_exact() {
+            self.finisher = Finisher::start();
+        }
         self.models.insert(model.into(), Arc::new(tokenizer));
         self
+    }
+
+    /// Waits until every early-stopped prompt queued so far is finished (tests, benchmarks).
+    pub fn wait_idle(&self) {
+        if let Some(f) = &self.finisher {
+            f.wait_idle();
+        }
+    }
+
+    /// The background finisher's counters, when it runs.
+    pub fn finish_stats(&self) -> Option<&FinishStats> {
+        self.finisher.as_ref().map(Finisher::stats)
     }
 
     /// Tokenizes in chunks of at least `bytes` (within a segment; see
@@ -241,8 +270,9 @@ impl Keyer {
                 Some(tok.tokenizer.chat_cursor(messages, options, cache, chunk)?)
             }
         };
+        let chat = matches!(req.input, Input::Chat { .. });
         let (tokens, tokenized, stopped_early, cache) = match cursor {
-            Some(cursor) => self.key_cursor(cursor, &mut chain, held)?,
+            Some(cursor) => self.key_cursor(cursor, &mut chain, held, (tok, chat))?,
             None => {
                 let ids: &[u32] = match &req.input {
                     Input::Prompt(Prompt::Tokens(ids)) => ids,
@@ -283,6 +313,7 @@ impl Keyer {
         mut cursor: EncodeCursor<'_>,
         chain: &mut KeyChain,
         held: &mut dyn FnMut(BlockKey) -> bool,
+        (model, chat): (&Arc<ModelTokenizer>, bool),
     ) -> Result<(usize, usize, bool, CacheOutcome), TokenizeError> {
         let mut ids = Vec::with_capacity(cursor.text().len() / 3);
         while let Some(n) = cursor.next_into(&mut ids) {
@@ -290,7 +321,18 @@ impl Keyer {
             let new = chain.advance(&ids);
             if !may_extend(chain.keys(), new, held) && !cursor.is_done() {
                 let estimate = cursor.estimated_tokens();
-                return Ok((estimate, ids.len(), true, cursor.outcome()));
+                let outcome = cursor.outcome();
+                if let Some(f) = &self.finisher
+                    && model.tokenizer.is_exact()
+                {
+                    f.submit(
+                        Arc::clone(model),
+                        cursor.into_text(),
+                        chat,
+                        self.chunk_bytes,
+                    );
+                }
+                return Ok((estimate, ids.len(), true, outcome));
             }
         }
         Ok((ids.len(), ids.len(), false, cursor.outcome()))
@@ -378,6 +420,42 @@ mod tests {
         let cold = keyer.key_served(&req, None, &mut |_| false).unwrap();
         assert!(cold.stopped_early);
         assert_eq!(cold.keys.len(), 4);
+    }
+
+    fn qwen3() -> Option<TextTokenizer> {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../.cache/tokenizers/qwen3/package/models");
+        dir.join("tokenizer.json")
+            .exists()
+            .then(|| TextTokenizer::from_dir(&dir).unwrap())
+    }
+
+    /// An early-stopped chat is finished in the background: the next request finds every
+    /// chunk in the cache and keys the whole prompt without tokenizing.
+    #[test]
+    fn stopped_prompts_are_finished_off_the_request_path() {
+        let Some(tok) = qwen3() else {
+            eprintln!("skipping: no Qwen3 tokenizer");
+            return;
+        };
+        let keyer = Keyer::new(16, SaltStyle::VllmExtraKey, "m")
+            .with_model("m", ModelTokenizer::new(tok, 1 << 24))
+            .with_chunk_bytes(256);
+        let content = "the quick brown fox jumps over the lazy dog ".repeat(60);
+        let body = serde_json::to_vec(&serde_json::json!({
+            "messages": [{"role": "user", "content": content}]
+        }))
+        .unwrap();
+        let req = parse(Api::Chat, &body).unwrap();
+        let stopped = keyer.key_served(&req, None, &mut |_| false).unwrap();
+        assert!(stopped.stopped_early);
+        keyer.wait_idle();
+        let stats = keyer.finish_stats().unwrap();
+        assert_eq!(stats.finished.load(std::sync::atomic::Ordering::Relaxed), 1);
+        let full = keyer.key(&req).unwrap();
+        assert!(!full.stopped_early);
+        assert_eq!(full.cache.miss_bytes, 0, "{:?}", full.cache);
+        assert_eq!(full.keys[..stopped.keys.len()], stopped.keys[..]);
     }
 
     proptest! {

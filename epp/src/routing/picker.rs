@@ -199,6 +199,11 @@ impl Picker {
         (p, Some(name.to_owned()))
     }
 
+    /// How requests are keyed.
+    pub fn keyer(&self) -> &Keyer {
+        &self.keyer
+    }
+
     /// The counters.
     pub fn stats(&self) -> Arc<PickerStats> {
         Arc::clone(&self.stats)
