@@ -4,8 +4,9 @@
 //! tokenization is additive, so the chunks' ids concatenate to exactly the ids of the whole
 //! text:
 //! - a Hugging Face tokenizer cuts before each split-safe special token (see `cache.rs`) and,
-//!   inside a segment, at the first additive inner cut (see `cuts.rs`) at least `chunk_bytes`
-//!   after the chunk's start; tokenizers without known inner cuts keep segments whole;
+//!   inside a segment, at the first additive inner cut (see `cuts.rs`) at least a chunk size
+//!   after the chunk's start, the size being `chunk_bytes / 8` for a segment's first chunk and
+//!   doubling up to `chunk_bytes`; tokenizers without known inner cuts keep segments whole;
 //! - the byte fallback cuts at the first boundary of its own chunking at least `chunk_bytes`
 //!   after the chunk's start.
 //!
@@ -46,6 +47,9 @@ pub struct EncodeCursor<'a> {
     /// Ends of the special-token segments, ascending, the last being the text's length.
     segment_ends: Vec<usize>,
     segment: usize,
+    /// The current segment's next chunk size: `chunk_bytes / 8` at its start, doubling up to
+    /// `chunk_bytes`.
+    next_chunk: usize,
     pos: usize,
     chunk_bytes: usize,
     tokens: usize,
@@ -73,6 +77,7 @@ impl<'a> EncodeCursor<'a> {
             cache,
             segment_ends,
             segment: 0,
+            next_chunk: first_chunk(chunk_bytes),
             pos: 0,
             chunk_bytes: chunk_bytes.max(1),
             tokens: 0,
@@ -127,10 +132,13 @@ impl<'a> EncodeCursor<'a> {
                     .clamp(start, len);
                 let end = hf
                     .inner_cuts()
-                    .next(&self.text, start.saturating_add(self.chunk_bytes), seg_end)
+                    .next(&self.text, start.saturating_add(self.next_chunk), seg_end)
                     .unwrap_or(seg_end);
                 if end == seg_end {
                     self.segment += 1;
+                    self.next_chunk = first_chunk(self.chunk_bytes);
+                } else {
+                    self.next_chunk = self.next_chunk.saturating_mul(2).min(self.chunk_bytes);
                 }
                 self.pos = end;
                 let chunk = self.text.get(start..end).unwrap_or_default();
@@ -185,6 +193,14 @@ impl<'a> EncodeCursor<'a> {
         };
         self.tokens.saturating_add(extra)
     }
+}
+
+/// The first chunk of a segment: an eighth of `chunk_bytes` (at least a byte). A new message
+/// starts a segment, and a prompt usually stops being cached at a message's start, so a small
+/// first chunk bounds what is tokenized past that point; later chunks double up to
+/// `chunk_bytes`, keeping per-chunk overhead low on long cached text.
+fn first_chunk(chunk_bytes: usize) -> usize {
+    (chunk_bytes / 8).max(1)
 }
 
 /// Appends `chunk`'s ids from `cache`, or tokenizes it (and caches the ids).

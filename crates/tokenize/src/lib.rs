@@ -254,8 +254,9 @@ impl TextTokenizer {
 
     /// A completions prompt's ids chunk by chunk ([`EncodeCursor`]): the chunks concatenate to
     /// exactly [`encode_prompt`](Self::encode_prompt)'s ids. Chunks end at cuts where
-    /// tokenization is additive, at least `chunk_bytes` apart within a segment; chunks missing
-    /// from `cache` (when given) are tokenized and added to it. A tokenizer whose
+    /// tokenization is additive; within a segment the first chunk is at least `chunk_bytes / 8`
+    /// long and each next one at least twice as long, up to `chunk_bytes`. Chunks missing from
+    /// `cache` (when given) are tokenized and added to it. A tokenizer whose
     /// post-processor adds ids encodes the prompt in one chunk, uncached.
     pub fn prompt_cursor<'a>(
         &'a self,
