@@ -13,7 +13,8 @@
 //!   the EPP never saw (~250 tokens), and a long new user turn (~450 tokens): ~700 new tokens.
 //! - `cold`: a conversation never seen before: everything is tokenized.
 //!
-//! Run: `cargo bench -p kvgate-epp --bench decision` (`-- 8k` or `-- 100k` for one size).
+//! Run: `cargo bench -p kvgate-epp --bench decision` (`-- 8k` or `-- 100k` for one size,
+//! `-- breakdown` for the stages of a warm 8k decision timed alone).
 
 #![allow(
     clippy::unwrap_used,
@@ -183,9 +184,61 @@ fn tokenizer_dir() -> Option<PathBuf> {
     here.join("tokenizer.json").exists().then_some(here)
 }
 
-/// The picker over a populated index. Routing the previous turn leaves its blocks speculated on
-/// the chosen endpoint, as serving it would.
-fn setup(dir: &Path) -> Picker {
+/// The picker, with what the bench needs to play the engines' part.
+struct Bench {
+    picker: Picker,
+    index: Arc<KvIndex>,
+    endpoints: Arc<Datastore>,
+    /// Keys whole prompts (no early stop), as an engine caches them.
+    keyer: Keyer,
+}
+
+impl Bench {
+    /// Routes `body` untimed, then stores its whole prompt on the chosen endpoint, as the
+    /// engine's KV events would after serving it (the picker itself speculates only the keys
+    /// it computed, which stop at the first block no endpoint held).
+    fn serve(&self, body: &[u8]) {
+        use kvgate_epp::routing::request::{Api, parse};
+        let input = RoutingInput {
+            method: "POST",
+            path: "/v1/chat/completions",
+            headers: &[],
+            body: Some(body),
+            subset: None,
+            request_id: None,
+        };
+        let d = self.picker.route(input).expect("routed");
+        self.picker.on_response(d.ticket, ResponseEvent::End);
+        // The engine takes far longer to serve it than the picker to finish tokenizing it.
+        self.picker.keyer().wait_idle();
+        let keys = self
+            .keyer
+            .key(&parse(Api::Chat, body).unwrap())
+            .unwrap()
+            .keys;
+        let addr = &d.endpoints[0];
+        let id = self
+            .endpoints
+            .snapshot()
+            .iter()
+            .find(|e| e.address.to_string() == *addr)
+            .map(|e| e.id)
+            .unwrap();
+        self.index.apply(
+            Holder::Endpoint(id),
+            &[KvEvent::Stored {
+                keys,
+                parent: None,
+                tier: Tier::Gpu,
+                lora: None,
+                token_count: 0,
+            }],
+        );
+    }
+}
+
+/// The picker over a populated index.
+fn setup(dir: &Path) -> Bench {
     let tok = tokenize::TextTokenizer::from_dir(dir).expect("tokenizer");
     let keyer = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL)
         .with_model(MODEL, ModelTokenizer::new(tok, 256 << 20));
@@ -218,14 +271,23 @@ fn setup(dir: &Path) -> Picker {
             }],
         );
     }
-    Picker::new(
+    let picker = Picker::new(
         keyer,
         Scheduler::new(SchedulerConfig::default(), 7).unwrap(),
-        index,
+        Arc::clone(&index),
         Arc::new(InflightTracker::new()),
         Arc::new(LoadBook::new()),
-        ds,
-    )
+        Arc::clone(&ds),
+    );
+    let tok = tokenize::TextTokenizer::from_dir(dir).expect("tokenizer");
+    let full = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL)
+        .with_model(MODEL, ModelTokenizer::new(tok, 256 << 20));
+    Bench {
+        picker,
+        index,
+        endpoints: ds,
+        keyer: full,
+    }
 }
 
 fn route(picker: &Picker, body: &[u8]) -> Duration {
@@ -269,7 +331,8 @@ fn count_tokens(dir: &Path, messages: &[serde_json::Value]) -> usize {
 }
 
 fn scenario(dir: &Path, label: &str, words_per_turn: usize, turns: usize, n: usize, n_cold: usize) {
-    let picker = setup(dir);
+    let bench = setup(dir);
+    let picker = &bench.picker;
     let mut rng = Rng(0xc0ffee ^ words_per_turn as u64);
     let sample = conversation(&mut rng, words_per_turn, turns, words_per_turn);
     let tokens = count_tokens(dir, &sample);
@@ -288,8 +351,8 @@ fn scenario(dir: &Path, label: &str, words_per_turn: usize, turns: usize, n: usi
             } else {
                 full[..full.len() - 2].to_vec()
             };
-            let _ = route(&picker, &body(&previous));
-            out.push(route(&picker, &body(&full)));
+            bench.serve(&body(&previous));
+            out.push(route(picker, &body(&full)));
         }
         out
     };
@@ -301,14 +364,24 @@ fn scenario(dir: &Path, label: &str, words_per_turn: usize, turns: usize, n: usi
     let mut cold = Vec::with_capacity(n_cold);
     for _ in 0..n_cold {
         let full = conversation(&mut rng, words_per_turn, turns, words_per_turn);
-        cold.push(route(&picker, &body(&full)));
+        cold.push(route(picker, &body(&full)));
     }
     report(&format!("{label} cold"), tokens, cold);
+    let stats = picker.stats();
+    println!(
+        "{label}: {} of {} routed requests stopped keying early ({} tokens estimated)",
+        stats.early_stops.load(std::sync::atomic::Ordering::Relaxed),
+        stats.routed.load(std::sync::atomic::Ordering::Relaxed),
+        stats
+            .estimated_tokens
+            .load(std::sync::atomic::Ordering::Relaxed),
+    );
 }
 
-/// Where a warm 8k decision spends its time: each stage timed alone on the same inputs.
+/// Where a warm 8k decision spends its time: each stage timed alone on the same inputs, then
+/// the whole `Picker::route` on a fully cached prompt.
 fn breakdown(dir: &Path) {
-    use kvgate_epp::routing::request::{Api, Input, parse};
+    use kvgate_epp::routing::request::{Api, parse};
     let tok = tokenize::TextTokenizer::from_dir(dir).unwrap();
     let cache = tokenize::SegmentCache::new(256 << 20);
     let mut rng = Rng(0xbeef);
@@ -316,11 +389,22 @@ fn breakdown(dir: &Path) {
         .map(|_| conversation(&mut rng, 400, 12, 400))
         .collect();
     let bodies: Vec<_> = convs.iter().map(|c| body(c)).collect();
+    let questions: Vec<String> = (0..50).map(|_| rng.text(30)).collect();
     let opts = tokenize::ChatOptions {
         add_generation_prompt: true,
         ..Default::default()
     };
+    let chunk = tokenize::DEFAULT_CHUNK_BYTES;
+    let drain = |c: &[serde_json::Value]| {
+        let mut cursor = tok.chat_cursor(c, &opts, Some(&cache), chunk).unwrap();
+        let mut ids = Vec::new();
+        while let Some(n) = cursor.next_into(&mut ids) {
+            n.unwrap();
+        }
+        ids
+    };
     for c in &convs {
+        let _ = drain(c);
         let _ = tok.encode_chat_cached(c, &opts, &cache).unwrap();
     }
     let time = |name: &str, f: &dyn Fn(usize)| {
@@ -333,7 +417,7 @@ fn breakdown(dir: &Path) {
             .collect();
         v.sort_unstable();
         println!(
-            "  {name:<28} p50 {:>8.1} µs",
+            "  {name:<40} p50 {:>8.1} µs",
             v[v.len() / 2].as_secs_f64() * 1e6
         );
     };
@@ -343,17 +427,40 @@ fn breakdown(dir: &Path) {
     time("render chat template", &|i| {
         let _ = tok.render_chat(&convs[i], &opts).unwrap();
     });
-    time("render + cached encode", &|i| {
+    time("render + cached encode (1 KiB chunks)", &|i| {
+        let _ = drain(&convs[i]);
+    });
+    time("render + cached encode (whole segments)", &|i| {
         let _ = tok.encode_chat_cached(&convs[i], &opts, &cache).unwrap();
     });
-    let ids: Vec<Vec<u32>> = convs
-        .iter()
-        .map(|c| tok.encode_chat_cached(c, &opts, &cache).unwrap().0)
-        .collect();
+    time("encode a new 30-word question (cold)", &|i| {
+        let _ = tok.encode_prompt(&questions[i]).unwrap();
+    });
+    let ids: Vec<Vec<u32>> = convs.iter().map(|c| drain(c)).collect();
     time("block keys", &|i| {
         let _ = kv_events::key::block_keys(kv_events::KeySeed::new(MODEL, None), &ids[i], BLOCK);
     });
-    let _ = Input::Prompt;
+    let bench = setup(dir);
+    let keyer = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL).with_model(
+        MODEL,
+        ModelTokenizer::new(tokenize::TextTokenizer::from_dir(dir).unwrap(), 256 << 20),
+    );
+    let parsed: Vec<_> = bodies
+        .iter()
+        .map(|b| parse(Api::Chat, b).unwrap())
+        .collect();
+    for p in &parsed {
+        let _ = keyer.key(p).unwrap();
+    }
+    time("Keyer::key (render, encode, keys)", &|i| {
+        let _ = keyer.key(&parsed[i]).unwrap();
+    });
+    for b in &bodies {
+        bench.serve(b);
+    }
+    time("Picker::route, all cached", &|i| {
+        let _ = route(&bench.picker, &bodies[i]);
+    });
 }
 
 fn main() {

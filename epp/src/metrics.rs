@@ -72,6 +72,38 @@ pub fn render(s: &Sources) -> String {
         get(&p.approximate_keys) as f64,
     );
     metric(
+        "kvgate_epp_keying_early_stops_total",
+        "counter",
+        "Requests whose tokenization stopped at the first chunk no endpoint held (token counts estimated).",
+        get(&p.early_stops) as f64,
+    );
+    metric(
+        "kvgate_epp_estimated_prompt_tokens_total",
+        "counter",
+        "Prompt tokens estimated from the remaining bytes instead of tokenized (early stops).",
+        get(&p.estimated_tokens) as f64,
+    );
+    if let Some(f) = s.router.as_ref().and_then(|r| r.keyer().finish_stats()) {
+        metric(
+            "kvgate_epp_prompts_finished_total",
+            "counter",
+            "Early-stopped prompts tokenized to their end in the background (for the next turn's cache).",
+            get(&f.finished) as f64,
+        );
+        metric(
+            "kvgate_epp_prompts_finish_dropped_total",
+            "counter",
+            "Early-stopped prompts not finished because the background queue was full.",
+            get(&f.dropped) as f64,
+        );
+        metric(
+            "kvgate_epp_background_tokenized_bytes_total",
+            "counter",
+            "Bytes of prompt text tokenized in the background (segment-cache misses).",
+            get(&f.tokenized_bytes) as f64,
+        );
+    }
+    metric(
         "kvgate_epp_prompt_blocks_total",
         "counter",
         "Prompt blocks looked up in the index.",

@@ -133,6 +133,7 @@ fn run(bencher: Bencher<'_, '_>, config: SchedulerConfig) {
         let req = ScheduleRequest {
             keys: &w.prompt,
             prompt_tokens: (PROMPT * 16) as u32,
+            prompt_blocks: None,
             model: "m",
             subset: None,
             now: Millis(now),

@@ -39,6 +39,7 @@
 //! let request = ScheduleRequest {
 //!     keys: &keys,
 //!     prompt_tokens: 40,
+//!     prompt_blocks: None,
 //!     model: "llama",
 //!     subset: None,
 //!     now: Millis(0),

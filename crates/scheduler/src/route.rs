@@ -76,6 +76,7 @@ mod tests {
         let req = ScheduleRequest {
             keys: &keys,
             prompt_tokens: 48,
+            prompt_blocks: None,
             model: "m",
             subset: None,
             now: Millis(0),
@@ -113,6 +114,7 @@ mod tests {
         let req = ScheduleRequest {
             keys: &[],
             prompt_tokens: 0,
+            prompt_blocks: None,
             model: "m",
             subset: None,
             now: Millis(0),

@@ -23,6 +23,11 @@ pub struct ScheduleRequest<'a> {
     pub keys: &'a [BlockKey],
     /// The prompt's length in tokens.
     pub prompt_tokens: u32,
+    /// The prompt's full blocks when `keys` holds only a prefix of them (the caller stopped
+    /// keying once no endpoint could extend its match, and estimated the rest); `None` means
+    /// `keys.len()`. Costs and in-flight accounting use it; the lookup and speculation use
+    /// `keys`.
+    pub prompt_blocks: Option<u32>,
     /// The requested model or LoRA adapter (empty: any endpoint).
     pub model: &'a str,
     /// The data plane's subset hint, when it sent one (`Some(&[])`: nothing is allowed).
@@ -40,6 +45,14 @@ pub struct Scheduler {
     rng: SeededRng,
     turn: AtomicU64,
     approx: Option<Mutex<ApproxTracker>>,
+}
+
+impl ScheduleRequest<'_> {
+    /// The prompt's full blocks: [`ScheduleRequest::prompt_blocks`], never below `keys.len()`.
+    pub fn blocks(&self) -> u32 {
+        let keyed = u32::try_from(self.keys.len()).unwrap_or(u32::MAX);
+        self.prompt_blocks.map_or(keyed, |b| b.max(keyed))
+    }
 }
 
 impl Scheduler {
@@ -114,7 +127,7 @@ impl Scheduler {
         let lookup = matches!(self.config.policy, Policy::Kv | Policy::PrefixOnly);
         let salt = self.rng.next_u64();
         let cands = self.gather(&eligible, req, lookup, index, inflight, loads, salt);
-        let prompt_blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
+        let prompt_blocks = req.blocks();
         let ranking = rank(&cands, prompt_blocks, &self.config, &self.rng, &self.turn);
 
         // The filters returned at least one candidate, so the ranking has a primary row.
@@ -285,7 +298,7 @@ impl Scheduler {
         if eligible.is_empty() {
             return None;
         }
-        let prompt_blocks = u32::try_from(req.keys.len()).unwrap_or(u32::MAX);
+        let prompt_blocks = req.blocks();
         let cands = self.gather(&eligible, req, true, index, inflight, loads, salt);
         let cost =
             |c: &Candidate| prefill_cost(prompt_blocks, c.credit, &c.load, &self.config.weights);

@@ -169,6 +169,7 @@ proptest! {
         let req = ScheduleRequest {
             keys: &keys,
             prompt_tokens: 32 * 16,
+            prompt_blocks: None,
             model,
             subset: subset.as_deref(),
             now: Millis(0),

@@ -145,18 +145,35 @@ pub(crate) fn encode_bytes(bytes: &[u8]) -> Vec<u32> {
     let mut ids = Vec::with_capacity(bytes.len().div_ceil(4));
     let mut rest = bytes;
     while !rest.is_empty() {
-        let mut n = rest.len().min(4);
-        if n == 4 && rest.get(3).is_some_and(|&b| b >= 0x80) {
-            n = 3;
-        }
-        while n > 1 && rest.get(n - 1) == Some(&0) {
-            n -= 1;
-        }
-        let (chunk, tail) = rest.split_at(n);
+        let (chunk, tail) = rest.split_at(chunk_len(rest));
         ids.push(pack(chunk));
         rest = tail;
     }
     ids
+}
+
+/// The length of the chunk starting at `rest` (steps 1–3 of the formula); 0 for empty input.
+fn chunk_len(rest: &[u8]) -> usize {
+    let mut n = rest.len().min(4);
+    if n == 4 && rest.get(3).is_some_and(|&b| b >= 0x80) {
+        n = 3;
+    }
+    while n > 1 && rest.get(n - 1) == Some(&0) {
+        n -= 1;
+    }
+    n
+}
+
+/// The first chunk boundary at or after `min`, walking from `from`, itself a boundary (0, or
+/// an earlier result). Cutting at a boundary is additive: a chunk only looks at bytes after its
+/// start, and no chunk crosses a boundary, so `encode(text[..c]) ++ encode(text[c..])` is
+/// `encode(text)`.
+pub(crate) fn boundary_after(bytes: &[u8], from: usize, min: usize) -> usize {
+    let mut p = from.min(bytes.len());
+    while p < min && p < bytes.len() {
+        p += chunk_len(bytes.get(p..).unwrap_or_default()).max(1);
+    }
+    p.min(bytes.len())
 }
 
 /// Inverts [`encode_bytes`], skipping [`BYTE_EOS_ID`]; an id of 2^31 or more is returned as the error.

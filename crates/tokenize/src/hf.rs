@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::config::{self, SPECIAL_TOKEN_NAMES};
+use crate::cuts::{self, InnerCuts};
 use crate::error::{LoadError, Result, TokenizeError};
 use crate::messages::ContentFormat;
 use crate::template::ChatTemplates;
@@ -28,6 +29,8 @@ pub struct HfTokenizer {
     eos_token_id: Option<u32>,
     words: Vec<u32>,
     split_tokens: Vec<String>,
+    inner_cuts: InnerCuts,
+    prompt_additive: bool,
     clean_up_tokenization_spaces: bool,
 }
 
@@ -78,10 +81,14 @@ impl HfTokenizer {
             eos_token_id,
             words: Vec::new(),
             split_tokens: Vec::new(),
+            inner_cuts: InnerCuts::None,
+            prompt_additive: false,
             clean_up_tokenization_spaces: config.clean_up_tokenization_spaces,
         };
         this.words = this.find_words();
         this.split_tokens = this.find_split_tokens();
+        this.inner_cuts = InnerCuts::detect(&this.tokenizer);
+        this.prompt_additive = cuts::post_processor_adds_nothing(&this.tokenizer);
         Ok(this)
     }
 
@@ -154,6 +161,22 @@ impl HfTokenizer {
     /// Special tokens a prompt may be cut before without changing its ids (see `cache.rs`).
     pub(crate) fn split_tokens(&self) -> &[String] {
         &self.split_tokens
+    }
+
+    /// Whether cuts inside a segment are known to be additive for this tokenizer (see
+    /// `cuts.rs`); without them, segments between special tokens are tokenized whole.
+    pub fn has_inner_cuts(&self) -> bool {
+        self.inner_cuts != InnerCuts::None
+    }
+
+    pub(crate) fn inner_cuts(&self) -> InnerCuts {
+        self.inner_cuts
+    }
+
+    /// Whether `add_special_tokens = true` adds no ids, so a completions prompt may be encoded
+    /// in chunks like a chat.
+    pub(crate) fn prompt_additive(&self) -> bool {
+        self.prompt_additive
     }
 
     fn find_split_tokens(&self) -> Vec<String> {

@@ -15,6 +15,10 @@
 //!   `trim_blocks`/`lstrip_blocks`, `raise_exception`, `strftime_now`, Python `tojson` and string
 //!   methods), then tokenized with `add_special_tokens=false`.
 //!
+//! - **Incrementally** ([`TextTokenizer::prompt_cursor`], [`TextTokenizer::chat_cursor`]): the
+//!   same ids chunk by chunk ([`EncodeCursor`]), cut only where tokenization is provably
+//!   additive, so a caller can stop once the rest of the prompt cannot matter to it.
+//!
 //! Without a tokenizer directory, [`TextTokenizer::fallback`] is a deterministic, reversible
 //! byte tokenizer ([`ByteTokenizer`]): each token is up to four UTF-8 bytes packed
 //! little-endian into the id. Its exact formula is in the [`byte`] module docs and the README.
@@ -30,6 +34,8 @@
 pub mod byte;
 mod cache;
 mod config;
+mod cursor;
+mod cuts;
 mod error;
 mod hf;
 mod messages;
@@ -37,6 +43,7 @@ mod pyfmt;
 mod strftime;
 mod template;
 
+use std::borrow::Cow;
 use std::path::Path;
 
 use serde_json::{Map, Value};
@@ -44,6 +51,7 @@ use serde_json::{Map, Value};
 pub use byte::{BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer};
 pub use cache::{CacheOutcome, SegmentCache};
 pub use config::{CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE};
+pub use cursor::{DEFAULT_CHUNK_BYTES, EncodeCursor};
 pub use error::{BoxError, LoadError, Result, TokenizeError};
 pub use hf::{HfTokenizer, TOKENIZER_FILE};
 pub use messages::ContentFormat;
@@ -236,37 +244,84 @@ impl TextTokenizer {
         opts: &ChatOptions,
         cache: &SegmentCache,
     ) -> Result<(Vec<u32>, CacheOutcome)> {
-        let text = self.render_chat(messages, opts)?;
-        let hf = match &self.kind {
-            Kind::Hf(hf) => hf,
-            Kind::Fallback(b) => {
-                let outcome = CacheOutcome {
-                    hit_bytes: 0,
-                    miss_bytes: text.len(),
-                };
-                return Ok((b.encode(&text), outcome));
-            }
-        };
-        let mut ids = Vec::with_capacity(text.len() / 3);
-        let mut outcome = CacheOutcome::default();
-        let mut start = 0;
-        let cuts = cache::cut_points(&text, hf.split_tokens());
-        for end in cuts.into_iter().chain(std::iter::once(text.len())) {
-            let Some(segment) = text.get(start..end) else {
-                continue;
-            };
-            start = end;
-            let key = cache::key_of(segment);
-            if cache.get(key, &mut ids) {
-                outcome.hit_bytes += segment.len();
-            } else {
-                let seg_ids = hf.encode(segment, false)?;
-                cache.put(key, &seg_ids);
-                ids.extend_from_slice(&seg_ids);
-                outcome.miss_bytes += segment.len();
-            }
+        let mut cursor = self.chat_cursor(messages, opts, Some(cache), usize::MAX)?;
+        let mut ids = Vec::with_capacity(cursor.text().len() / 3);
+        while let Some(n) = cursor.next_into(&mut ids) {
+            n?;
         }
-        Ok((ids, outcome))
+        Ok((ids, cursor.outcome()))
+    }
+
+    /// A completions prompt's ids chunk by chunk ([`EncodeCursor`]): the chunks concatenate to
+    /// exactly [`encode_prompt`](Self::encode_prompt)'s ids. Chunks end at cuts where
+    /// tokenization is additive; within a segment the first chunk is at least `chunk_bytes / 8`
+    /// long and each next one at least twice as long, up to `chunk_bytes`. Chunks missing from
+    /// `cache` (when given) are tokenized and added to it. A tokenizer whose
+    /// post-processor adds ids encodes the prompt in one chunk, uncached.
+    pub fn prompt_cursor<'a>(
+        &'a self,
+        text: &'a str,
+        cache: Option<&'a SegmentCache>,
+        chunk_bytes: usize,
+    ) -> Result<EncodeCursor<'a>> {
+        self.check_len("prompt", text.len())?;
+        let (engine, cache) = match &self.kind {
+            Kind::Hf(hf) if hf.prompt_additive() => (cursor::Engine::Chunked(hf), cache),
+            Kind::Hf(hf) => (cursor::Engine::Whole(hf), None),
+            Kind::Fallback(_) => (cursor::Engine::Byte, None),
+        };
+        Ok(EncodeCursor::new(
+            Cow::Borrowed(text),
+            engine,
+            cache,
+            chunk_bytes,
+        ))
+    }
+
+    /// An already rendered chat prompt ([`render_chat`](Self::render_chat)'s text) chunk by
+    /// chunk, exactly as [`chat_cursor`](Self::chat_cursor) walks it: for finishing, off the
+    /// request path, a prompt whose encoding stopped early, so `cache` holds every chunk.
+    pub fn rendered_chat_cursor<'a>(
+        &'a self,
+        text: &'a str,
+        cache: Option<&'a SegmentCache>,
+        chunk_bytes: usize,
+    ) -> Result<EncodeCursor<'a>> {
+        self.check_len("rendered chat", text.len())?;
+        let (engine, cache) = match &self.kind {
+            Kind::Hf(hf) => (cursor::Engine::Chunked(hf), cache),
+            Kind::Fallback(_) => (cursor::Engine::Byte, None),
+        };
+        Ok(EncodeCursor::new(
+            Cow::Borrowed(text),
+            engine,
+            cache,
+            chunk_bytes,
+        ))
+    }
+
+    /// A chat request's ids chunk by chunk: [`render_chat`](Self::render_chat), then an
+    /// [`EncodeCursor`] over the rendered prompt whose chunks concatenate to exactly
+    /// [`encode_chat`](Self::encode_chat)'s ids (see [`prompt_cursor`](Self::prompt_cursor)
+    /// for the chunks and the cache).
+    pub fn chat_cursor<'a>(
+        &'a self,
+        messages: &[Value],
+        opts: &ChatOptions,
+        cache: Option<&'a SegmentCache>,
+        chunk_bytes: usize,
+    ) -> Result<EncodeCursor<'a>> {
+        let text = self.render_chat(messages, opts)?;
+        let (engine, cache) = match &self.kind {
+            Kind::Hf(hf) => (cursor::Engine::Chunked(hf), cache),
+            Kind::Fallback(_) => (cursor::Engine::Byte, None),
+        };
+        Ok(EncodeCursor::new(
+            Cow::Owned(text),
+            engine,
+            cache,
+            chunk_bytes,
+        ))
     }
 
     /// Text of `ids`, special tokens skipped (`skip_special_tokens=true`).

@@ -129,6 +129,7 @@ impl Router {
         let req = ScheduleRequest {
             keys: &keys,
             prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
+            prompt_blocks: None,
             model: &self.model,
             subset: None,
             now: millis(now),

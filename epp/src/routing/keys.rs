@@ -4,14 +4,26 @@
 //! so a multi-turn conversation only tokenizes its new turn. Without a tokenizer the byte
 //! fallback of `crates/tokenize` gives approximate keys (they match `kvgate-sim`'s fallback
 //! exactly, and a real engine's never); [`Keyed::exact`] says which, for the metrics.
+//!
+//! # Stopping at the first miss
+//!
+//! Text prompts and chats are tokenized chunk by chunk ([`tokenize::EncodeCursor`]), and each
+//! chunk's new block keys are derived at once ([`KeyChain`]). After each chunk the caller's
+//! probe is asked whether any endpoint holds the newest key; when none does, no endpoint's
+//! prefix match can reach past it, so the rest of the prompt cannot change any endpoint's
+//! overlap, and keying stops ([`may_extend`]). The prompt's token and block counts are then
+//! estimates (tokens so far plus the remaining bytes at the rate so far), flagged by
+//! [`Keyed::stopped_early`].
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 
-use kv_events::BlockKey;
-use kv_events::key::{SaltStyle, request_block_keys};
-use tokenize::{CacheOutcome, SegmentCache, TextTokenizer, TokenizeError};
+use kv_events::key::{KeyHasher, SaltStyle, vllm_salt_extra_key};
+use kv_events::{BlockKey, KeySeed};
+use tokenize::{CacheOutcome, EncodeCursor, SegmentCache, TextTokenizer, TokenizeError};
 
+use super::finish::{FinishStats, Finisher};
 use super::request::{Input, ParsedRequest, Prompt};
 
 /// A served model's tokenizer and its cache.
@@ -29,6 +41,16 @@ impl ModelTokenizer {
             cache: SegmentCache::new(cache_bytes),
         }
     }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    /// Its segment cache.
+    pub fn cache(&self) -> &SegmentCache {
+        &self.cache
+    }
 }
 
 /// How a pool's requests are keyed.
@@ -37,8 +59,10 @@ pub struct Keyer {
     block_size: usize,
     salt_style: SaltStyle,
     default_model: String,
+    chunk_bytes: usize,
     models: HashMap<String, Arc<ModelTokenizer>>,
     fallback: Arc<ModelTokenizer>,
+    finisher: Option<Finisher>,
 }
 
 /// A keyed request.
@@ -46,14 +70,103 @@ pub struct Keyer {
 pub struct Keyed {
     /// The model the request names (or the default).
     pub model: String,
-    /// Prompt tokens.
+    /// Prompt tokens (an estimate when [`Keyed::stopped_early`]).
     pub prompt_tokens: u32,
-    /// Keys of the prompt's full blocks.
+    /// The prompt's full blocks: `keys.len()`, or an estimate when [`Keyed::stopped_early`].
+    pub prompt_blocks: u32,
+    /// Keys of the prompt's full blocks, from the first; only a prefix when
+    /// [`Keyed::stopped_early`].
     pub keys: Vec<BlockKey>,
+    /// Token ids actually computed (`prompt_tokens` unless [`Keyed::stopped_early`]).
+    pub tokenized: u32,
+    /// Whether keying stopped before the end of the prompt because no endpoint held the newest
+    /// key (see the module docs).
+    pub stopped_early: bool,
     /// Whether the ids came from the model's real tokenizer.
     pub exact: bool,
-    /// Tokenization cache use (chat only).
+    /// Tokenization cache use (text prompts and chats).
     pub cache: CacheOutcome,
+}
+
+/// Block keys derived as a prompt's token ids arrive: the same keys as
+/// [`kv_events::key::request_block_keys`] over the ids seen so far.
+#[derive(Debug)]
+pub struct KeyChain {
+    seed: KeySeed,
+    first_extra: Option<Vec<u8>>,
+    block_size: usize,
+    hasher: KeyHasher,
+    keys: Vec<BlockKey>,
+}
+
+impl KeyChain {
+    /// A chain for `model_or_lora` with the request's `cache_salt` folded in `style`.
+    pub fn new(
+        model_or_lora: &str,
+        cache_salt: Option<&str>,
+        style: SaltStyle,
+        block_size: usize,
+    ) -> Self {
+        let (seed, first_extra) = match (cache_salt, style) {
+            (Some(salt), SaltStyle::VllmExtraKey) => (
+                KeySeed::new(model_or_lora, None),
+                Some(vllm_salt_extra_key(salt)),
+            ),
+            (salt, _) => (KeySeed::new(model_or_lora, salt), None),
+        };
+        Self {
+            seed,
+            first_extra,
+            block_size,
+            hasher: KeyHasher::new(),
+            keys: Vec::new(),
+        }
+    }
+
+    /// Keys every full block of `ids` (the prompt's ids so far, a longer prefix on each call)
+    /// not keyed yet; returns the indices of the new keys.
+    pub fn advance(&mut self, ids: &[u32]) -> Range<usize> {
+        let start = self.keys.len();
+        if self.block_size == 0 {
+            return start..start;
+        }
+        let from = start.saturating_mul(self.block_size);
+        let rest = ids.get(from..).unwrap_or_default();
+        for block in rest.chunks_exact(self.block_size) {
+            let (prev, extra) = match self.keys.last() {
+                Some(k) => (k.0, None),
+                None => (self.seed.0, self.first_extra.as_deref()),
+            };
+            let key = self.hasher.next(prev, block, extra);
+            self.keys.push(key);
+        }
+        start..self.keys.len()
+    }
+
+    /// The keys so far.
+    pub fn keys(&self) -> &[BlockKey] {
+        &self.keys
+    }
+
+    /// The keys, consuming the chain.
+    pub fn into_keys(self) -> Vec<BlockKey> {
+        self.keys
+    }
+}
+
+/// Whether keying must go on after the keys `new` were added to `keys`: true when none were
+/// added, else whether `held` says some endpoint holds the newest. When no endpoint holds key
+/// `j`, every endpoint's matched prefix ends at or before `j`, so keys past it change no
+/// endpoint's overlap.
+pub fn may_extend(
+    keys: &[BlockKey],
+    new: Range<usize>,
+    held: &mut dyn FnMut(BlockKey) -> bool,
+) -> bool {
+    match new.end.checked_sub(1).filter(|_| !new.is_empty()) {
+        Some(last) => keys.get(last).is_none_or(|&k| held(k)),
+        None => true,
+    }
 }
 
 impl Keyer {
@@ -63,14 +176,40 @@ impl Keyer {
             block_size,
             salt_style,
             default_model: default_model.into(),
+            chunk_bytes: tokenize::DEFAULT_CHUNK_BYTES,
             models: HashMap::new(),
             fallback: Arc::new(ModelTokenizer::new(TextTokenizer::fallback(), 0)),
+            finisher: None,
         }
     }
 
-    /// Serves `model` with `tokenizer`.
+    /// Serves `model` with `tokenizer`. The first real tokenizer starts the background thread
+    /// that finishes early-stopped prompts (see `finish.rs`).
     pub fn with_model(mut self, model: impl Into<String>, tokenizer: ModelTokenizer) -> Self {
+        if self.finisher.is_none() && tokenizer.tokenizer.is_exact() {
+            self.finisher = Finisher::start();
+        }
         self.models.insert(model.into(), Arc::new(tokenizer));
+        self
+    }
+
+    /// Waits until every early-stopped prompt queued so far is finished (tests, benchmarks).
+    pub fn wait_idle(&self) {
+        if let Some(f) = &self.finisher {
+            f.wait_idle();
+        }
+    }
+
+    /// The background finisher's counters, when it runs.
+    pub fn finish_stats(&self) -> Option<&FinishStats> {
+        self.finisher.as_ref().map(Finisher::stats)
+    }
+
+    /// Tokenizes in chunks of at least `bytes` (within a segment; see
+    /// [`tokenize::EncodeCursor`]) between early-stop checks.
+    #[must_use]
+    pub fn with_chunk_bytes(mut self, bytes: usize) -> Self {
+        self.chunk_bytes = bytes.max(1);
         self
     }
 
@@ -89,18 +228,21 @@ impl Keyer {
         !self.models.is_empty()
     }
 
-    /// Keys a parsed request for the model it names.
+    /// Keys a parsed request for the model it names, the whole prompt.
     pub fn key(&self, req: &ParsedRequest<'_>) -> Result<Keyed, TokenizeError> {
-        self.key_served(req, None)
+        self.key_served(req, None, &mut |_| true)
     }
 
     /// Keys a parsed request that the engine serves as `served` (a model rewrite): tokenized
     /// with the requested model's tokenizer when it has one (a LoRA adapter shares its base's),
-    /// keyed under the served name, as the engine caches it.
+    /// keyed under the served name, as the engine caches it. Text prompts and chats stop once
+    /// `held` says no endpoint holds the newest key (see the module docs); `|_| true` keys the
+    /// whole prompt.
     pub fn key_served(
         &self,
         req: &ParsedRequest<'_>,
         served: Option<&str>,
+        held: &mut dyn FnMut(BlockKey) -> bool,
     ) -> Result<Keyed, TokenizeError> {
         let requested = req.model.as_deref().unwrap_or(&self.default_model);
         let model = served.unwrap_or(requested);
@@ -109,44 +251,101 @@ impl Keyer {
             .get(requested)
             .or_else(|| self.models.get(model))
             .unwrap_or(&self.fallback);
-        let mut cache = CacheOutcome::default();
-        let ids: Vec<u32> = match &req.input {
-            Input::Prompt(Prompt::Text(t)) => tok.tokenizer.encode_prompt(t)?,
-            Input::Prompt(Prompt::Texts(ts)) => match ts.first() {
-                Some(t) => tok.tokenizer.encode_prompt(t)?,
-                None => Vec::new(),
-            },
-            Input::Prompt(Prompt::Tokens(ids)) => ids.clone(),
-            Input::Prompt(Prompt::TokenLists(lists)) => lists.first().cloned().unwrap_or_default(),
-            Input::Chat { messages, options } => {
-                let (ids, outcome) = tok
-                    .tokenizer
-                    .encode_chat_cached(messages, options, &tok.cache)?;
-                cache = outcome;
-                ids
-            }
-        };
-        let keys = request_block_keys(
+        let mut chain = KeyChain::new(
             model,
             req.cache_salt.as_deref(),
             self.salt_style,
-            &ids,
             self.block_size,
         );
+        let chunk = self.chunk_bytes;
+        let cache = Some(&tok.cache);
+        let cursor = match &req.input {
+            Input::Prompt(Prompt::Text(t)) => Some(tok.tokenizer.prompt_cursor(t, cache, chunk)?),
+            Input::Prompt(Prompt::Texts(ts)) => match ts.first() {
+                Some(t) => Some(tok.tokenizer.prompt_cursor(t, cache, chunk)?),
+                None => None,
+            },
+            Input::Prompt(Prompt::Tokens(_) | Prompt::TokenLists(_)) => None,
+            Input::Chat { messages, options } => {
+                Some(tok.tokenizer.chat_cursor(messages, options, cache, chunk)?)
+            }
+        };
+        let chat = matches!(req.input, Input::Chat { .. });
+        let (tokens, tokenized, stopped_early, cache) = match cursor {
+            Some(cursor) => self.key_cursor(cursor, &mut chain, held, (tok, chat))?,
+            None => {
+                let ids: &[u32] = match &req.input {
+                    Input::Prompt(Prompt::Tokens(ids)) => ids,
+                    Input::Prompt(Prompt::TokenLists(lists)) => {
+                        lists.first().map(Vec::as_slice).unwrap_or_default()
+                    }
+                    _ => &[],
+                };
+                chain.advance(ids);
+                (ids.len(), ids.len(), false, CacheOutcome::default())
+            }
+        };
+        let keys = chain.into_keys();
+        let prompt_blocks = if stopped_early {
+            tokens
+                .checked_div(self.block_size)
+                .unwrap_or(0)
+                .max(keys.len())
+        } else {
+            keys.len()
+        };
         Ok(Keyed {
             model: model.to_owned(),
-            prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
+            prompt_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
+            prompt_blocks: u32::try_from(prompt_blocks).unwrap_or(u32::MAX),
+            tokenized: u32::try_from(tokenized).unwrap_or(u32::MAX),
             keys,
+            stopped_early,
             exact: tok.tokenizer.is_exact(),
             cache,
         })
+    }
+
+    /// Drives `cursor` until the prompt ends or [`may_extend`] says stop; returns the (estimated)
+    /// token count, the ids computed, whether it stopped early, and the cache use.
+    fn key_cursor(
+        &self,
+        mut cursor: EncodeCursor<'_>,
+        chain: &mut KeyChain,
+        held: &mut dyn FnMut(BlockKey) -> bool,
+        (model, chat): (&Arc<ModelTokenizer>, bool),
+    ) -> Result<(usize, usize, bool, CacheOutcome), TokenizeError> {
+        let mut ids = Vec::with_capacity(cursor.text().len() / 3);
+        while let Some(n) = cursor.next_into(&mut ids) {
+            n?;
+            let new = chain.advance(&ids);
+            if !may_extend(chain.keys(), new, held) && !cursor.is_done() {
+                let estimate = cursor.estimated_tokens();
+                let outcome = cursor.outcome();
+                if let Some(f) = &self.finisher
+                    && model.tokenizer.is_exact()
+                {
+                    f.submit(
+                        Arc::clone(model),
+                        cursor.into_text(),
+                        chat,
+                        self.chunk_bytes,
+                    );
+                }
+                return Ok((estimate, ids.len(), true, outcome));
+            }
+        }
+        Ok((ids.len(), ids.len(), false, cursor.outcome()))
     }
 }
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::super::request::{Api, parse};
     use super::*;
+    use kv_events::key::request_block_keys;
+    use proptest::prelude::*;
 
     #[test]
     fn fallback_keys_equal_the_sims_byte_tokenizer_keys() {
@@ -155,11 +354,13 @@ mod tests {
         let req = parse(Api::Completions, body).unwrap();
         let k = keyer.key(&req).unwrap();
         assert!(!k.exact);
+        assert!(!k.stopped_early);
         assert_eq!(k.model, "m");
         let ids = TextTokenizer::fallback()
             .encode_prompt("abcdefghijklmnopqrstuvwxyz0123456789")
             .unwrap();
         assert_eq!(k.prompt_tokens as usize, ids.len());
+        assert_eq!(k.prompt_blocks as usize, k.keys.len());
         assert_eq!(
             k.keys,
             kv_events::key::block_keys(kv_events::KeySeed::new("m", None), &ids, 4)
@@ -188,5 +389,99 @@ mod tests {
             .key(&parse(Api::Completions, br#"{"model":"n","prompt":[1,2,3,4,5]}"#).unwrap())
             .unwrap();
         assert_ne!(a.keys[0], other.keys[0]);
+    }
+
+    /// Keying stops after the first chunk whose newest key nobody holds: the keys are a prefix
+    /// of the full keys, and the counts are estimates near the true ones.
+    #[test]
+    fn keying_stops_when_no_endpoint_holds_the_newest_key() {
+        let keyer = Keyer::new(4, SaltStyle::VllmExtraKey, "m").with_chunk_bytes(64);
+        let text = "abcdefgh".repeat(100);
+        let body = format!(r#"{{"prompt":"{text}"}}"#);
+        let req = parse(Api::Completions, body.as_bytes()).unwrap();
+        let full = keyer.key(&req).unwrap();
+        assert_eq!(full.keys.len(), 50);
+        // Endpoints hold the first 20 keys.
+        let held_set: Vec<BlockKey> = full.keys[..20].to_vec();
+        let mut probes = 0;
+        let k = keyer
+            .key_served(&req, None, &mut |key| {
+                probes += 1;
+                held_set.contains(&key)
+            })
+            .unwrap();
+        assert!(k.stopped_early);
+        assert!(k.keys.len() > 20 && k.keys.len() < 50, "{}", k.keys.len());
+        assert_eq!(k.keys[..], full.keys[..k.keys.len()]);
+        assert_eq!(k.prompt_tokens, full.prompt_tokens);
+        assert_eq!(k.prompt_blocks, 50);
+        assert_eq!(probes, k.keys.len().div_ceil(4));
+        // Nothing held: one chunk.
+        let cold = keyer.key_served(&req, None, &mut |_| false).unwrap();
+        assert!(cold.stopped_early);
+        assert_eq!(cold.keys.len(), 4);
+    }
+
+    fn qwen3() -> Option<TextTokenizer> {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../.cache/tokenizers/qwen3/package/models");
+        dir.join("tokenizer.json")
+            .exists()
+            .then(|| TextTokenizer::from_dir(&dir).unwrap())
+    }
+
+    /// An early-stopped chat is finished in the background: the next request finds every
+    /// chunk in the cache and keys the whole prompt without tokenizing.
+    #[test]
+    fn stopped_prompts_are_finished_off_the_request_path() {
+        let Some(tok) = qwen3() else {
+            eprintln!("skipping: no Qwen3 tokenizer");
+            return;
+        };
+        let keyer = Keyer::new(16, SaltStyle::VllmExtraKey, "m")
+            .with_model("m", ModelTokenizer::new(tok, 1 << 24))
+            .with_chunk_bytes(256);
+        let content = "the quick brown fox jumps over the lazy dog ".repeat(60);
+        let body = serde_json::to_vec(&serde_json::json!({
+            "messages": [{"role": "user", "content": content}]
+        }))
+        .unwrap();
+        let req = parse(Api::Chat, &body).unwrap();
+        let stopped = keyer.key_served(&req, None, &mut |_| false).unwrap();
+        assert!(stopped.stopped_early);
+        keyer.wait_idle();
+        let stats = keyer.finish_stats().unwrap();
+        assert_eq!(stats.finished.load(std::sync::atomic::Ordering::Relaxed), 1);
+        let full = keyer.key(&req).unwrap();
+        assert!(!full.stopped_early);
+        assert_eq!(full.cache.miss_bytes, 0, "{:?}", full.cache);
+        assert_eq!(full.keys[..stopped.keys.len()], stopped.keys[..]);
+    }
+
+    proptest! {
+        /// The chain equals `request_block_keys` however the ids arrive, salted or not.
+        #[test]
+        fn chain_equals_whole_prompt_keys(
+            ids in prop::collection::vec(0u32..1000, 0..200),
+            cuts in prop::collection::vec(0usize..200, 0..8),
+            block in 0usize..9,
+            salt in prop::option::of("[a-z]{1,4}"),
+            vllm in any::<bool>(),
+        ) {
+            let style = if vllm { SaltStyle::VllmExtraKey } else { SaltStyle::Seed };
+            let mut chain = KeyChain::new("m", salt.as_deref(), style, block);
+            let mut cuts = cuts;
+            cuts.push(ids.len());
+            cuts.sort_unstable();
+            let mut seen = 0;
+            for c in cuts {
+                let c = c.min(ids.len());
+                let new = chain.advance(&ids[..c]);
+                prop_assert_eq!(new.start, seen);
+                seen = new.end;
+            }
+            let want = request_block_keys("m", salt.as_deref(), style, &ids, block);
+            prop_assert_eq!(chain.keys(), &want[..]);
+        }
     }
 }

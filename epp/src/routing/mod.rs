@@ -1,7 +1,11 @@
 //! The routing brain behind the ext_proc layer: request parsing, keying, endpoints and the pick.
 
+pub mod finish;
 pub mod keys;
 pub mod picker;
 pub mod request;
 pub mod rewrite;
 pub mod stats;
+
+#[cfg(test)]
+mod early_stop_props;

@@ -6,8 +6,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use kv_index::{KvIndex, Millis};
-use scheduler::{InflightToken, InflightTracker, LoadBook, Routed, ScheduleRequest, Scheduler};
+use kv_events::{BlockKey, Tier};
+use kv_index::{EndpointId, KvIndex, Millis, Overlap};
+use scheduler::{
+    Endpoint, InflightToken, InflightTracker, LoadBook, Routed, ScheduleRequest, Scheduler,
+};
 
 use super::keys::{Keyed, Keyer};
 use super::request::{self, Api};
@@ -42,6 +45,12 @@ pub struct PickerStats {
     pub prompt_blocks: AtomicU64,
     /// Of those, blocks the primary held on GPU.
     pub gpu_hit_blocks: AtomicU64,
+    /// Requests whose keying stopped before the end of the prompt (no endpoint held the newest
+    /// key); their token counts are estimates.
+    pub early_stops: AtomicU64,
+    /// Prompt tokens estimated rather than tokenized (the part of early-stopped prompts past
+    /// the last chunk tokenized).
+    pub estimated_tokens: AtomicU64,
     /// Decisions, total nanoseconds (parse → pick).
     pub decision_nanos: AtomicU64,
     /// Requests whose model was rewritten.
@@ -68,6 +77,47 @@ struct Prepared {
     model: String,
     served: String,
     body: Option<Vec<u8>>,
+}
+
+/// Whether any endpoint of the pool holds a key, in any tier (speculation included): the
+/// early-stop probe of keying. The endpoint that held the previous key is asked first (one
+/// candidate instead of the pool), since a prompt's blocks usually sit together.
+struct PoolProbe<'a> {
+    index: &'a KvIndex,
+    pool: Vec<EndpointId>,
+    last: Option<EndpointId>,
+    found: Vec<Overlap>,
+}
+
+impl<'a> PoolProbe<'a> {
+    fn new(index: &'a KvIndex, endpoints: &[Endpoint]) -> Self {
+        Self {
+            index,
+            pool: endpoints.iter().map(|e| e.id).collect(),
+            last: None,
+            found: Vec::with_capacity(endpoints.len()),
+        }
+    }
+
+    fn held(&mut self, key: BlockKey) -> bool {
+        if let Some(last) = self.last {
+            self.found.clear();
+            self.index
+                .find_matches_into(&[key], &[last], &mut self.found);
+            if self.found.iter().any(|o| o.reach(Tier::Remote) > 0) {
+                return true;
+            }
+        }
+        self.found.clear();
+        self.index
+            .find_matches_into(&[key], &self.pool, &mut self.found);
+        self.last = self
+            .found
+            .iter()
+            .find(|o| o.reach(Tier::Remote) > 0)
+            .map(|o| o.endpoint);
+        self.last.is_some()
+    }
 }
 
 /// Implements [`Router`] for one InferencePool.
@@ -149,6 +199,11 @@ impl Picker {
         (p, Some(name.to_owned()))
     }
 
+    /// How requests are keyed.
+    pub fn keyer(&self) -> &Keyer {
+        &self.keyer
+    }
+
     /// The counters.
     pub fn stats(&self) -> Arc<PickerStats> {
         Arc::clone(&self.stats)
@@ -183,6 +238,7 @@ impl Picker {
         &self,
         input: &RoutingInput<'_>,
         ticket: u64,
+        endpoints: &[Endpoint],
     ) -> Result<Prepared, (Rejection, String)> {
         let api = Api::of_path(input.path);
         let (Some(body), Api::Completions | Api::Chat) = (input.body, api) else {
@@ -217,9 +273,12 @@ impl Picker {
             ),
             None => None,
         };
+        // Keying stops once no endpoint of the pool (a superset of the candidates) holds the
+        // newest key: a point query per tokenized chunk.
+        let mut probe = PoolProbe::new(&self.index, endpoints);
         let keyed = self
             .keyer
-            .key_served(&parsed, target.as_deref())
+            .key_served(&parsed, target.as_deref(), &mut |key| probe.held(key))
             .map_err(|e| {
                 let r = if e.is_client_error() {
                     Rejection::BadRequest(e.to_string())
@@ -253,12 +312,12 @@ impl Router for Picker {
     fn route(&self, input: RoutingInput<'_>) -> Result<Decision, Rejection> {
         let started = Instant::now();
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
-        let prepared = match self.prepare(&input, ticket) {
+        let endpoints = self.datastore.snapshot();
+        let prepared = match self.prepare(&input, ticket, &endpoints) {
             Ok(p) => p,
             Err((rejection, model)) => return Err(self.reject(rejection, &model)),
         };
         let keyed = &prepared.keyed;
-        let endpoints = self.datastore.snapshot();
         let (priority, objective) = self.priority(&input);
         if priority < 0
             && self
@@ -281,13 +340,19 @@ impl Router for Picker {
                 &prepared.model,
             ));
         }
-        let (keys, prompt_tokens, model) = match keyed {
-            Some(k) => (&k.keys[..], k.prompt_tokens, k.model.as_str()),
-            None => (&[][..], 0, ""),
+        let (keys, prompt_tokens, prompt_blocks, model) = match keyed {
+            Some(k) => (
+                &k.keys[..],
+                k.prompt_tokens,
+                Some(k.prompt_blocks),
+                k.model.as_str(),
+            ),
+            None => (&[][..], 0, None, ""),
         };
         let req = ScheduleRequest {
             keys,
             prompt_tokens,
+            prompt_blocks,
             model,
             subset: input.subset.as_deref(),
             now: self.now(),
@@ -327,6 +392,13 @@ impl Router for Picker {
                 &s.approximate_keys
             };
             counter.fetch_add(1, Ordering::Relaxed);
+            if k.stopped_early {
+                s.early_stops.fetch_add(1, Ordering::Relaxed);
+                s.estimated_tokens.fetch_add(
+                    u64::from(k.prompt_tokens.saturating_sub(k.tokenized)),
+                    Ordering::Relaxed,
+                );
+            }
         }
         s.prompt_blocks
             .fetch_add(u64::from(decision.prompt_blocks), Ordering::Relaxed);
@@ -588,6 +660,36 @@ mod tests {
             assert!(text.contains(want), "missing {want}\n{text}");
         }
         assert_eq!(p.stats().model_rewrites.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn the_probe_finds_holders_in_any_tier_and_asks_the_last_holder_first() {
+        let (p, ds) = picker(3);
+        let eps = ds.snapshot();
+        let k = |i: u64| BlockKey(1000 + i);
+        let store = |e: usize, keys: Vec<BlockKey>, tier: Tier| {
+            p.index.apply(
+                kv_index::Holder::Endpoint(eps[e].id),
+                &[kv_events::KvEvent::Stored {
+                    keys,
+                    parent: None,
+                    tier,
+                    lora: None,
+                    token_count: 0,
+                }],
+            );
+        };
+        store(0, vec![k(0), k(1)], Tier::Gpu);
+        store(2, vec![k(2)], Tier::Disk);
+        let mut probe = PoolProbe::new(&p.index, &eps);
+        assert!(probe.held(k(0)));
+        assert_eq!(probe.last, Some(eps[0].id));
+        assert!(probe.held(k(1)));
+        assert!(probe.held(k(2)), "held on disk by another endpoint");
+        assert_eq!(probe.last, Some(eps[2].id));
+        assert!(!probe.held(k(3)));
+        assert_eq!(probe.last, None);
+        assert!(!PoolProbe::new(&p.index, &[]).held(k(0)));
     }
 
     #[derive(Debug)]

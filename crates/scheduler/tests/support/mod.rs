@@ -62,6 +62,7 @@ pub fn request<'a>(keys: &'a [BlockKey], now: u64) -> ScheduleRequest<'a> {
     ScheduleRequest {
         keys,
         prompt_tokens: (keys.len() * 16) as u32,
+        prompt_blocks: None,
         model: "m",
         subset: None,
         now: Millis(now),
