@@ -14,7 +14,10 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 secs=${1:-10}
 target=${CARGO_TARGET_DIR:-$root/target}
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install -y wrk)"; exit 2; }
-cargo build -q --release -p kvgate-e2e --bin kvgate-sim -p kvgate-epp --bin kvgate-epp
+# One package per build: built together, feature unification recompiles the EPP's whole
+# dependency tree (k8s-openapi included) with the simulator's features.
+cargo build -q --release -p kvgate-e2e --bin kvgate-sim
+cargo build -q --release -p kvgate-epp --bin kvgate-epp
 envoy=$(ls "$root"/.venv/lib/python3*/site-packages/envoy/_bin/envoy)
 tok="$root/.cache/tokenizers/qwen3/package/models"
 run=$(mktemp -d /tmp/kvgate-overhead.XXXXXX)

@@ -315,7 +315,8 @@ impl Keyer {
         held: &mut dyn FnMut(BlockKey) -> bool,
         (model, chat): (&Arc<ModelTokenizer>, bool),
     ) -> Result<(usize, usize, bool, CacheOutcome), TokenizeError> {
-        let mut ids = Vec::with_capacity(cursor.text().len() / 3);
+        // Most prompts stop after their first chunks: size for a few, grow if the prompt is held.
+        let mut ids = Vec::with_capacity(cursor.text().len().min(4 * self.chunk_bytes) / 3);
         while let Some(n) = cursor.next_into(&mut ids) {
             n?;
             let new = chain.advance(&ids);

@@ -35,14 +35,22 @@ pub async fn run(
     let mut last: Vec<Option<bool>> = vec![None; engines.len()];
     loop {
         tick.tick().await;
+        // Every rank at once, so a hung rank costs one timeout per tick, not one per rank.
+        let mut checks = tokio::task::JoinSet::new();
+        for (rank, engine) in engines.iter().enumerate() {
+            let (client, engine) = (client.clone(), engine.clone());
+            checks.spawn(async move { (rank, check(&client, &engine, timeout).await) });
+        }
         let mut all = true;
-        for (engine, last) in engines.iter().zip(last.iter_mut()) {
-            let ok = check(&client, engine, timeout).await;
-            if *last != Some(ok) {
+        while let Some(done) = checks.join_next().await {
+            let (rank, ok) = done.unwrap_or((usize::MAX, false));
+            all &= ok;
+            if let (Some(last), Some(engine)) = (last.get_mut(rank), engines.get(rank))
+                && *last != Some(ok)
+            {
                 tracing::info!(engine = %engine, healthy = ok, "engine health changed");
                 *last = Some(ok);
             }
-            all &= ok;
         }
         readiness.set_engine_healthy(all);
     }
