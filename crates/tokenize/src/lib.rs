@@ -288,16 +288,7 @@ impl TextTokenizer {
         chunk_bytes: usize,
     ) -> Result<EncodeCursor<'a>> {
         self.check_len("rendered chat", text.len())?;
-        let (engine, cache) = match &self.kind {
-            Kind::Hf(hf) => (cursor::Engine::Chunked(hf), cache),
-            Kind::Fallback(_) => (cursor::Engine::Byte, None),
-        };
-        Ok(EncodeCursor::new(
-            Cow::Borrowed(text),
-            engine,
-            cache,
-            chunk_bytes,
-        ))
+        Ok(self.rendered_cursor(Cow::Borrowed(text), cache, chunk_bytes))
     }
 
     /// A chat request's ids chunk by chunk: [`render_chat`](Self::render_chat), then an
@@ -312,16 +303,22 @@ impl TextTokenizer {
         chunk_bytes: usize,
     ) -> Result<EncodeCursor<'a>> {
         let text = self.render_chat(messages, opts)?;
+        Ok(self.rendered_cursor(Cow::Owned(text), cache, chunk_bytes))
+    }
+
+    /// The cursor over a rendered chat prompt: chunked at additive cuts through `cache` for a
+    /// Hugging Face tokenizer, the byte fallback's own chunks otherwise.
+    fn rendered_cursor<'a>(
+        &'a self,
+        text: Cow<'a, str>,
+        cache: Option<&'a SegmentCache>,
+        chunk_bytes: usize,
+    ) -> EncodeCursor<'a> {
         let (engine, cache) = match &self.kind {
             Kind::Hf(hf) => (cursor::Engine::Chunked(hf), cache),
             Kind::Fallback(_) => (cursor::Engine::Byte, None),
         };
-        Ok(EncodeCursor::new(
-            Cow::Owned(text),
-            engine,
-            cache,
-            chunk_bytes,
-        ))
+        EncodeCursor::new(text, engine, cache, chunk_bytes)
     }
 
     /// Text of `ids`, special tokens skipped (`skip_special_tokens=true`).
