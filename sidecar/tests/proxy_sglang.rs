@@ -15,13 +15,7 @@ mod support;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::{Sidecar, Sim, TempDir, request};
-
-const PREFILLER: &str = "x-prefiller-host-port";
-
-fn prompt(words: usize) -> String {
-    (0..words).map(|i| format!("w{i} ")).collect()
-}
+use support::{PREFILLER, Sidecar, Sim, TempDir, prompt, request};
 
 /// The seats a simulator saw (`GET /sim/bootstrap`).
 fn seen(sim: &Sim) -> Vec<Value> {

@@ -15,13 +15,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use support::{Sidecar, Sim, TempDir, request};
-
-const PREFILLER: &str = "x-prefiller-host-port";
-
-fn prompt(words: usize) -> String {
-    (0..words).map(|i| format!("w{i} ")).collect()
-}
+use support::{PREFILLER, Sidecar, Sim, TempDir, prompt, request};
 
 /// Concatenated text and the usage chunk of an SSE completion stream.
 fn stream_text_and_usage(sse: &[String]) -> (String, Option<Value>) {

@@ -360,3 +360,11 @@ fn dechunk(mut raw: &[u8]) -> Vec<u8> {
         raw = &raw[eol + 2 + size + 2..];
     }
 }
+
+/// The header naming the prefiller of a P/D request.
+pub const PREFILLER: &str = "x-prefiller-host-port";
+
+/// A prompt of `words` distinct words (`w0 w1 …`).
+pub fn prompt(words: usize) -> String {
+    (0..words).map(|i| format!("w{i} ")).collect()
+}
