@@ -15,7 +15,7 @@ mod support;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::{PREFILLER, Sidecar, Sim, TempDir, prompt, request};
+use support::{PREFILLER, Sidecar, Sim, TempDir, prompt, request, stream_text_and_usage};
 
 /// The seats a simulator saw (`GET /sim/bootstrap`).
 fn seen(sim: &Sim) -> Vec<Value> {
@@ -73,24 +73,6 @@ fn pair(prefill_extra: &[&str], sidecar_extra: &[&str]) -> Pair {
         bootstrap_port,
         _dir: dir,
     }
-}
-
-/// Concatenated text and the usage chunk of an SSE completion stream.
-fn stream_text_and_usage(sse: &[String]) -> (String, Option<Value>) {
-    assert_eq!(sse.last().map(String::as_str), Some("[DONE]"), "{sse:?}");
-    let mut text = String::new();
-    let mut usage = None;
-    for ev in &sse[..sse.len() - 1] {
-        let v: Value = serde_json::from_str(ev).unwrap();
-        assert!(v.get("error").is_none(), "error in the stream: {v}");
-        if let Some(t) = v.pointer("/choices/0/text").and_then(Value::as_str) {
-            text.push_str(t);
-        }
-        if !v["usage"].is_null() {
-            usage = Some(v["usage"].clone());
-        }
-    }
-    (text, usage)
 }
 
 #[test]
@@ -238,9 +220,11 @@ fn sglang_prefill_failure_is_a_502_and_the_decode_leg_is_dropped() {
         ),
         1.0
     );
-    // The decode engine got the request (both legs leave at once) and was waiting in the room;
-    // dropping the leg ended that wait: it never times out, never generates.
-    assert_eq!(seen(&p.decode).len(), 1);
+    // Both legs leave at once, but a prefill failing this fast can drop the decode leg before
+    // it reaches the engine (seen under parallel test load): the engine saw it at most once,
+    // and if it was waiting in the room, dropping the leg ended that wait: it never times out,
+    // never generates.
+    assert!(seen(&p.decode).len() <= 1);
     std::thread::sleep(Duration::from_millis(2300));
     assert_eq!(
         p.decode.metric("kvgate_sim_bootstrap_room_timeouts_total"),

@@ -15,30 +15,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use support::{PREFILLER, Sidecar, Sim, TempDir, prompt, request};
-
-/// Concatenated text and the usage chunk of an SSE completion stream.
-fn stream_text_and_usage(sse: &[String]) -> (String, Option<Value>) {
-    assert_eq!(sse.last().map(String::as_str), Some("[DONE]"), "{sse:?}");
-    let mut text = String::new();
-    let mut usage = None;
-    for ev in &sse[..sse.len() - 1] {
-        let v: Value = serde_json::from_str(ev).unwrap();
-        if let Some(t) = v.pointer("/choices/0/text").and_then(Value::as_str) {
-            text.push_str(t);
-        }
-        if let Some(t) = v
-            .pointer("/choices/0/delta/content")
-            .and_then(Value::as_str)
-        {
-            text.push_str(t);
-        }
-        if !v["usage"].is_null() {
-            usage = Some(v["usage"].clone());
-        }
-    }
-    (text, usage)
-}
+use support::{PREFILLER, Sidecar, Sim, TempDir, prompt, request, stream_text_and_usage};
 
 #[test]
 fn passthrough_streams_chunk_by_chunk() {

@@ -368,3 +368,25 @@ pub const PREFILLER: &str = "x-prefiller-host-port";
 pub fn prompt(words: usize) -> String {
     (0..words).map(|i| format!("w{i} ")).collect()
 }
+
+/// The text (completions `text` or chat `delta.content`) and the usage of an SSE stream that
+/// ends in `[DONE]` and carries no error event.
+pub fn stream_text_and_usage(sse: &[String]) -> (String, Option<serde_json::Value>) {
+    use serde_json::Value;
+    assert_eq!(sse.last().map(String::as_str), Some("[DONE]"), "{sse:?}");
+    let mut text = String::new();
+    let mut usage = None;
+    for ev in &sse[..sse.len() - 1] {
+        let v: Value = serde_json::from_str(ev).unwrap();
+        assert!(v.get("error").is_none(), "error in the stream: {v}");
+        for pointer in ["/choices/0/text", "/choices/0/delta/content"] {
+            if let Some(t) = v.pointer(pointer).and_then(Value::as_str) {
+                text.push_str(t);
+            }
+        }
+        if !v["usage"].is_null() {
+            usage = Some(v["usage"].clone());
+        }
+    }
+    (text, usage)
+}
