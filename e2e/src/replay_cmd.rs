@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use engine_model::{EngineStats, Preset};
-use replay::{MS, ReplayConfig, ReplayOutput, replay};
-use scheduler::{Policy, SchedulerConfig};
+use replay::{CacheAwareConfig, MS, ReplayConfig, ReplayOutput, ReplayPolicy, replay};
+use scheduler::SchedulerConfig;
 use workload::{
     DoksOptions, MooncakeOptions, RequestRecord, SharedPrefixOptions, Slo, Window, Workload,
 };
@@ -37,9 +37,12 @@ pub struct ReplayArgs {
     /// Engine preset (`h200-llama70b-fp8`, `h100x4-llama70b-tp4`, `small`).
     #[arg(long, default_value = "h200-llama70b-fp8")]
     pub preset: Preset,
-    /// Policies, one run each (comma-separated).
+    /// Policies, one run each (comma-separated): the EPP's (`kv`, `round-robin`, `random`,
+    /// `least-load`, `prefix-only`), or `sglang-cache-aware`, a model of the cache-aware
+    /// policy of SGLang's router, smg and vLLM's router (approximate tree from routing
+    /// decisions, balance thresholds; see the replay crate's `peer` module).
     #[arg(long, value_delimiter = ',', default_value = "kv,round-robin")]
-    pub policy: Vec<Policy>,
+    pub policy: Vec<ReplayPolicy>,
     /// Scheduler YAML (the EPP's `--scheduler-config`); `--policy` overrides its `policy`.
     #[arg(long)]
     pub scheduler_config: Option<PathBuf>,
@@ -240,10 +243,15 @@ pub fn run(args: &ReplayArgs) -> Result<(), ReplayCmdError> {
             let mut config = ReplayConfig::new(args.engines, args.preset.config());
             config.run = policy.to_string();
             config.load = Some(plan.load);
-            config.scheduler = SchedulerConfig {
-                policy,
-                ..base.clone()
-            };
+            match policy {
+                ReplayPolicy::Epp(policy) => {
+                    config.scheduler = SchedulerConfig {
+                        policy,
+                        ..base.clone()
+                    };
+                }
+                ReplayPolicy::CacheAware => config.cache_aware = Some(CacheAwareConfig::default()),
+            }
             config.seed = args.seed;
             config.request_latency = args.request_latency_ms * MS;
             config.event_delay = args.event_delay_ms * MS;
@@ -282,7 +290,7 @@ fn write_records(out: &mut impl std::io::Write, records: &[RequestRecord]) -> st
     Ok(())
 }
 
-fn note(policy: Policy, load: f64, r: &ReplayOutput, wall: Duration) -> String {
+fn note(policy: ReplayPolicy, load: f64, r: &ReplayOutput, wall: Duration) -> String {
     let preemptions: u64 = r.engines.iter().map(|e| e.num_preemptions).sum();
     let reasons: Vec<String> = r
         .router
@@ -315,6 +323,7 @@ mod tests {
     )]
     use super::*;
     use clap::Parser as _;
+    use scheduler::Policy;
 
     fn args(extra: &[&str]) -> ReplayArgs {
         let mut argv = vec!["kvgate-bench", "replay"];
@@ -341,7 +350,13 @@ mod tests {
             "--policy",
             "kv,round-robin",
         ]);
-        assert_eq!(a.policy, vec![Policy::Kv, Policy::RoundRobin]);
+        assert_eq!(
+            a.policy,
+            vec![
+                ReplayPolicy::Epp(Policy::Kv),
+                ReplayPolicy::Epp(Policy::RoundRobin)
+            ]
+        );
         let p = plans(&a).unwrap();
         assert_eq!(p.len(), 2);
         assert_eq!(p[1].load, 3.0);
@@ -375,8 +390,9 @@ mod tests {
             "--qps",
             "50",
             "--policy",
-            "kv,round-robin",
+            "kv,round-robin,sglang-cache-aware",
         ]);
+        assert_eq!(a.policy[2], ReplayPolicy::CacheAware);
         a.out = out.clone();
         run(&a).unwrap();
         let text = std::fs::read_to_string(&out).unwrap();
@@ -387,7 +403,14 @@ mod tests {
         let per_run = SharedPrefixOptions::default().groups
             * SharedPrefixOptions::default().users_per_group
             * SharedPrefixOptions::default().questions_per_user;
-        assert_eq!(records.len(), 2 * per_run as usize);
+        assert_eq!(records.len(), 3 * per_run as usize);
+        assert_eq!(
+            records
+                .iter()
+                .filter(|r| r.run == "sglang-cache-aware")
+                .count(),
+            per_run as usize
+        );
         assert!(records.iter().all(|r| r.load == Some(50.0)));
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -3,6 +3,8 @@
 use engine_model::{EngineConfig, Nanos};
 use scheduler::SchedulerConfig;
 
+use crate::peer::CacheAwareConfig;
+
 /// Nanoseconds in a millisecond.
 pub const MS: Nanos = 1_000_000;
 
@@ -19,6 +21,8 @@ pub struct ReplayConfig {
     pub engine: EngineConfig,
     /// The router's scheduler configuration (the EPP's YAML).
     pub scheduler: SchedulerConfig,
+    /// Place requests with the peer routers' cache-aware model instead of `scheduler`.
+    pub cache_aware: Option<CacheAwareConfig>,
     /// The served model name: the key seed of the router and the normalisers.
     pub model: String,
     /// Seeds the scheduler's random choices (ties, `random`, temperature).
@@ -50,6 +54,7 @@ impl ReplayConfig {
             engines,
             engine,
             scheduler: SchedulerConfig::default(),
+            cache_aware: None,
             model: "model".into(),
             seed: 0,
             engine_hash_seed: 0x6b76_6761_7465,

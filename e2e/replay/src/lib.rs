@@ -33,12 +33,14 @@
 //! ```
 
 mod config;
+mod peer;
 mod queue;
 mod replay;
 mod router;
 mod translate;
 
 pub use config::{MS, ReplayConfig};
+pub use peer::{CacheAware, CacheAwareBranch, CacheAwareConfig, CacheAwarePick, ReplayPolicy};
 pub use queue::EventQueue;
 pub use replay::{Replay, ReplayError, ReplayOutput, replay};
 pub use router::{Placement, Router, RouterError, RouterStats, millis};

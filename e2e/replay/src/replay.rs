@@ -145,13 +145,16 @@ impl<'w> Replay<'w> {
                 })
             })
             .collect::<Result<Vec<_>, engine_model::ConfigError>>()?;
-        let router = Router::new(
+        let mut router = Router::new(
             config.engines,
             &config.model,
             config.engine.block_size,
             config.scheduler.clone(),
             config.seed,
         )?;
+        if let Some(peer) = config.cache_aware {
+            router = router.with_cache_aware(peer);
+        }
         let mut queue = EventQueue::new();
         let n = workload.sessions.len();
         let mut next_closed = 0;

@@ -14,10 +14,11 @@ use kv_events::key::{SaltStyle, request_block_keys};
 use kv_events::{KvEvent, Normalizer, NormalizerConfig};
 use kv_index::{EndpointId, Holder, IndexConfig, KvIndex};
 use scheduler::{
-    Endpoint, EngineLoad, InflightToken, InflightTracker, LoadBook, Millis, ScheduleRequest,
-    Scheduler, SchedulerConfig,
+    DEFAULT_DECODE_BLOCKS, Endpoint, EngineLoad, InflightToken, InflightTracker, LoadBook, Millis,
+    ScheduleRequest, Scheduler, SchedulerConfig,
 };
 
+use crate::peer::{CacheAware, CacheAwareConfig};
 use crate::translate::engine_event;
 
 /// Why the router could not be built.
@@ -71,6 +72,10 @@ pub struct Router {
     block_size: usize,
     scratch: Vec<KvEvent>,
     stats: RouterStats,
+    /// When set, requests are placed by the peer routers' cache-aware model instead of the
+    /// scheduler (the index is still fed, so the engines' events cost the same).
+    peer: Option<CacheAware>,
+    loads_scratch: Vec<u64>,
 }
 
 /// Virtual nanoseconds on the EPP's millisecond clock.
@@ -110,7 +115,17 @@ impl Router {
             block_size: block_size as usize,
             scratch: Vec::new(),
             stats: RouterStats::default(),
+            peer: None,
+            loads_scratch: Vec::new(),
         })
+    }
+
+    /// Places requests with the peer routers' cache-aware policy ([`CacheAware`]) instead of
+    /// the EPP's scheduler.
+    #[must_use]
+    pub fn with_cache_aware(mut self, config: CacheAwareConfig) -> Self {
+        self.peer = Some(CacheAware::new(self.endpoints.len(), config));
+        self
     }
 
     /// Keys `prompt` and places it, as the EPP does for a request naming the pool's model.
@@ -126,9 +141,13 @@ impl Router {
             prompt,
             self.block_size,
         );
+        let prompt_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+        if let Some(placement) = self.route_cache_aware(&keys, prompt_tokens) {
+            return Ok(placement);
+        }
         let req = ScheduleRequest {
             keys: &keys,
-            prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
+            prompt_tokens,
             prompt_blocks: None,
             model: &self.model,
             subset: None,
@@ -155,6 +174,37 @@ impl Router {
                 .decision
                 .prompt_blocks
                 .saturating_sub(routed.decision.uncached_blocks),
+        })
+    }
+
+    /// Places a request with the cache-aware model; `None` when the model is off.
+    fn route_cache_aware(
+        &mut self,
+        keys: &[kv_events::key::BlockKey],
+        prompt_tokens: u32,
+    ) -> Option<Placement> {
+        let peer = self.peer.as_mut()?;
+        self.loads_scratch.clear();
+        self.loads_scratch.extend(
+            self.endpoints
+                .iter()
+                .map(|e| self.inflight.load(e.id).requests),
+        );
+        let pick = peer.pick(keys, prompt_tokens, &self.loads_scratch);
+        let endpoint = self.endpoints.get(pick.worker)?.id;
+        self.stats.decisions += 1;
+        *self.stats.reasons.entry(pick.branch.as_str()).or_default() += 1;
+        let blocks = u32::try_from(keys.len()).unwrap_or(u32::MAX);
+        let token = self.inflight.on_routed(
+            endpoint,
+            blocks,
+            blocks.saturating_sub(pick.matched_blocks),
+            DEFAULT_DECODE_BLOCKS,
+        );
+        Some(Placement {
+            engine: pick.worker,
+            token,
+            expected_hit_blocks: pick.matched_blocks,
         })
     }
 
