@@ -98,6 +98,10 @@ finisher() {
     /^kvgate_epp_decision_seconds_total/ {d=$2} /^kvgate_epp_requests_routed_total/ {n=$2}
     END {if (n > 0) printf "mean decision %.3f ms over %d requests", d/n*1000, n; print ""}'
   echo "EPP CPU so far: $(awk -v hz="$(getconf CLK_TCK)" '{printf "%.1f s", ($14+$15)/hz}' "/proc/$epp_pid/stat")"
+  # By thread name: the request path (tokio workers) versus background work.
+  echo "  by thread: $(for t in /proc/"$epp_pid"/task/*; do printf '%s %s\n' "$(cat "$t/comm")" \
+    "$(sed 's/.*) //' "$t/stat" | awk '{print $12+$13}')"; done | awk -v hz="$(getconf CLK_TCK)" \
+    '{c[$1]+=$2} END {for (n in c) if (c[n] > 0) printf "%s %.2f s; ", n, c[n]/hz}')"
 }
 finisher
 [ "${CPU:-1}" = 0 ] && { echo "logs in $run"; exit 0; }
@@ -111,6 +115,7 @@ for hist in 1 0; do
   n=$(field requests "$r")
   python3 -c "n=max(${n:-0},1); cpu=($t1-$t0)/$hz; print(f'100k-token prompts, {\"$label\"}: {n} requests, EPP CPU {cpu:.2f} s, {cpu/n*1000:.2f} ms = {cpu/n:.4f} core*s per request; p50 {$(field p50_us "$r")/1000:.1f} ms, p99 {$(field p99_us "$r")/1000:.1f} ms')"
 done
+finisher
 m=$(curl -s "http://127.0.0.1:$metrics/metrics")
 echo "EPP decisions: $(echo "$m" | awk '/^kvgate_epp_requests_routed_total/ {print $2}') routed; keys exact $(echo "$m" | awk '/^kvgate_epp_keys_exact_total/ {print $2}')"
 echo "logs in $run"

@@ -133,7 +133,8 @@ pub struct Args {
     /// are left for their next turn to tokenize. 0: no budget (the queue bound only).
     #[arg(long, env = "KVGATE_FINISH_BYTES_PER_SECOND", default_value_t = 0)]
     pub finish_bytes_per_second: u64,
-    /// The background finisher thread's `nice` value (19: only otherwise idle CPU time).
+    /// The background finisher thread's `nice` value (19: about 1.5% of a CPU that a
+    /// default-priority thread wants, so mostly idle time; below 0 needs privileges).
     #[arg(long, env = "KVGATE_FINISH_NICE", default_value_t = crate::routing::finish::DEFAULT_NICE,
           value_parser = clap::value_parser!(i32).range(-20..=19))]
     pub finish_nice: i32,

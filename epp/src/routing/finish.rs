@@ -42,7 +42,8 @@ pub struct FinishConfig {
     /// Most bytes of prompt text taken per second (a token bucket holding one second's worth);
     /// `None`: no budget beyond the queue bound.
     pub bytes_per_second: Option<u64>,
-    /// The thread's `nice` value (−20 to 19; 19 runs only on otherwise idle CPU time).
+    /// The thread's `nice` value (−20 to 19; at 19 it gets about 1.5% of a CPU contended by a
+    /// default-priority thread, so it runs mostly on idle time; below 0 needs privileges).
     pub nice: i32,
 }
 
