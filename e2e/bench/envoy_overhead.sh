@@ -9,6 +9,15 @@
 # Cases: 8 KB and 220 KB bodies at concurrency 1 and 150 (direct vs epp), then EPP CPU per
 # request with ~100k-token prompts at concurrency 8, multi-turn (shared history, new last turn)
 # and cold (every prompt new).
+#
+# Environment, to iterate on one case or compare builds:
+#   CASES="8192:1 225280:150"  body:concurrency pairs to run (default: all four)
+#   CPU=0                      skip the CPU-per-request section
+#   EPP_BIN=path               run this kvgate-epp binary instead of building one (e.g. a kept
+#                              baseline build, to compare before/after in one session)
+#   EPP_ARGS="..."             extra kvgate-epp arguments
+#   RESPONSE=off               diagnosis only: Envoy skips the response phase (headers, body,
+#                              trailers) on the ext_proc stream, to measure that phase's share
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 secs=${1:-10}
@@ -17,7 +26,11 @@ command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install -y wr
 # One package per build: built together, feature unification recompiles the EPP's whole
 # dependency tree (k8s-openapi included) with the simulator's features.
 cargo build -q --release -p kvgate-e2e --bin kvgate-sim
-cargo build -q --release -p kvgate-epp --bin kvgate-epp
+if [ -z "${EPP_BIN:-}" ]; then
+  cargo build -q --release -p kvgate-epp --bin kvgate-epp
+  EPP_BIN="$target/release/kvgate-epp"
+fi
+cases=${CASES:-8192:1 8192:150 225280:1 225280:150}
 envoy=$(ls "$root"/.venv/lib/python3*/site-packages/envoy/_bin/envoy)
 tok="$root/.cache/tokenizers/qwen3/package/models"
 run=$(mktemp -d /tmp/kvgate-overhead.XXXXXX)
@@ -35,12 +48,16 @@ printf 'endpoints:\n  - {name: sim-0, address: 127.0.0.1, ports: [%s]}\n' "$sim"
 ext=$(port); health=$(port); metrics=$(port); direct=$(port); epp=$(port); admin=$(port)
 tokargs=()
 [ -f "$tok/tokenizer.json" ] && tokargs=(--tokenizer-dir "$tok")
-RUST_LOG=warn "$target/release/kvgate-epp" --pool-name bench --discovery file --endpoints-file "$run/endpoints.yaml" \
+read -r -a extra <<<"${EPP_ARGS:-}"
+RUST_LOG=warn "$EPP_BIN" --pool-name bench --discovery file --endpoints-file "$run/endpoints.yaml" \
   --plaintext --grpc-port "$ext" --grpc-health-port "$health" --metrics-port "$metrics" --model m \
-  "${tokargs[@]}" > "$run/epp.log" 2>&1 &
+  "${tokargs[@]}" "${extra[@]}" > "$run/epp.log" 2>&1 &
 epp_pid=$!; pids+=($epp_pid)
 sed -e "s/@ADMIN@/$admin/; s/@DIRECT@/$direct/; s/@EPP@/$epp/; s/@EXTPROC@/$ext/; s/@SIM@/$sim/g" \
   "$root/e2e/bench/envoy_overhead.yaml.in" > "$run/envoy.yaml"
+if [ "${RESPONSE:-on}" = off ]; then
+  sed -i -e 's/response_header_mode: SEND/response_header_mode: SKIP/; s/response_body_mode: FULL_DUPLEX_STREAMED/response_body_mode: NONE/; s/response_trailer_mode: SEND/response_trailer_mode: SKIP/' "$run/envoy.yaml"
+fi
 "$envoy" -c "$run/envoy.yaml" --log-level warn --concurrency 1 > "$run/envoy.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$admin/ready" >/dev/null && break; sleep 0.1; done
@@ -54,9 +71,11 @@ load() {
 field() { sed -n "s/.*$1=\([0-9]*\).*/\1/p" <<<"$2"; }
 echo "machine: $(nproc) cores, $(uname -r); envoy --concurrency 1; sim --time-scale 1000"
 echo "tokenizer: ${tokargs[*]:-byte fallback}; ${secs}s per run; warm-up 3s per case"
+echo "epp: $EPP_BIN ${EPP_ARGS:-}; response phase ${RESPONSE:-on}; text ${TEXT:-random}; load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 printf '%-8s %-4s %-7s %9s %9s %9s %9s %9s %9s %8s\n' body conc path p50_ms p99_ms reqs added_p50 added_p99 non2xx
-for size in 8192 225280; do
-  for conc in 1 150; do
+for case in $cases; do
+  size=${case%%:*}; conc=${case##*:}
+  {
     load "$direct" "$conc" "$size" 0 3 >/dev/null; load "$epp" "$conc" "$size" 0 3 >/dev/null
     d=$(load "$direct" "$conc" "$size" 0); e=$(load "$epp" "$conc" "$size" 0)
     for which in direct epp; do
@@ -71,9 +90,21 @@ for size in 8192 225280; do
         "$(python3 -c "print(f'{${p50:-0}/1000:.2f}')")" "$(python3 -c "print(f'{${p99:-0}/1000:.2f}')")" \
         "$(field requests "$r")" "$add50" "$add99" "$(field non2xx "$r")"
     done
-  done
+  }
 done
 
+finisher() {
+  curl -s "http://127.0.0.1:$metrics/metrics" | awk '/^kvgate_epp_(prompts_finish|background_tokenized)/ {printf "%s=%s ", $1, $2}
+    /^kvgate_epp_decision_seconds_total/ {d=$2} /^kvgate_epp_requests_routed_total/ {n=$2}
+    END {if (n > 0) printf "mean decision %.3f ms over %d requests", d/n*1000, n; print ""}'
+  echo "EPP CPU so far: $(awk -v hz="$(getconf CLK_TCK)" '{printf "%.1f s", ($14+$15)/hz}' "/proc/$epp_pid/stat")"
+  # By thread name: the request path (tokio workers) versus background work.
+  echo "  by thread: $(for t in /proc/"$epp_pid"/task/*; do printf '%s %s\n' "$(cat "$t/comm")" \
+    "$(sed 's/.*) //' "$t/stat" | awk '{print $12+$13}')"; done | awk -v hz="$(getconf CLK_TCK)" \
+    '{c[$1]+=$2} END {for (n in c) if (c[n] > 0) printf "%s %.2f s; ", n, c[n]/hz}')"
+}
+finisher
+[ "${CPU:-1}" = 0 ] && { echo "logs in $run"; exit 0; }
 # EPP CPU per request, ~100k-token prompts (≈ 560 KB of text with the Qwen3 tokenizer).
 ticks() { awk '{print $14+$15}' "/proc/$epp_pid/stat"; }
 hz=$(getconf CLK_TCK)
@@ -84,6 +115,7 @@ for hist in 1 0; do
   n=$(field requests "$r")
   python3 -c "n=max(${n:-0},1); cpu=($t1-$t0)/$hz; print(f'100k-token prompts, {\"$label\"}: {n} requests, EPP CPU {cpu:.2f} s, {cpu/n*1000:.2f} ms = {cpu/n:.4f} core*s per request; p50 {$(field p50_us "$r")/1000:.1f} ms, p99 {$(field p99_us "$r")/1000:.1f} ms')"
 done
+finisher
 m=$(curl -s "http://127.0.0.1:$metrics/metrics")
 echo "EPP decisions: $(echo "$m" | awk '/^kvgate_epp_requests_routed_total/ {print $2}') routed; keys exact $(echo "$m" | awk '/^kvgate_epp_keys_exact_total/ {print $2}')"
 echo "logs in $run"

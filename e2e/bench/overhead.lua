@@ -1,9 +1,14 @@
 -- wrk script for the Envoy+EPP overhead benchmark (e2e/bench/envoy_overhead.sh).
 -- Env: BODY_BYTES (approximate request size), HISTORY (1: every request shares one large
 -- conversation history and differs only in its last turn, the multi-turn case; 0: the whole
--- prompt differs per request).
+-- prompt differs per request); TEXT (random, the default: words drawn by a pseudo-random
+-- generator seeded per request, so no chunk of one prompt's text recurs in another and "new"
+-- prompts are really cold for the EPP's tokenization cache; periodic: the earlier generator, a
+-- 30-word cycle whose phase varies, so after a few requests every chunk past the first is
+-- already cached).
 local body_bytes = tonumber(os.getenv("BODY_BYTES") or "8192")
 local shared_history = os.getenv("HISTORY") == "1"
+local periodic = os.getenv("TEXT") == "periodic"
 local words = {"the","cache","request","model","token","prefix","server","gateway","route","block",
   "memory","latency","cluster","policy","engine","decode","prefill","batch","queue","stream",
   "answer","question","data","value","index","node","service","context","window","summary"}
@@ -15,11 +20,23 @@ setup = function(thread)
   thread:set("tid", thread_id)
 end
 
+-- Park-Miller generator: products stay below 2^53, exact in Lua numbers.
+local function next_state(x)
+  return (x * 16807) % 2147483647
+end
+
 local function text(n, seed)
   local out, i, len = {}, 0, 0
+  local x = (seed * 7919 + (tid or 0) * 104729) % 2147483646 + 1
   while len < n do
     i = i + 1
-    local w = words[((seed * 31 + i * 7) % #words) + 1]
+    local w
+    if periodic then
+      w = words[((seed * 31 + i * 7) % #words) + 1]
+    else
+      x = next_state(x)
+      w = words[(x % #words) + 1]
+    end
     out[i] = w
     len = len + #w + 1
   end

@@ -85,7 +85,8 @@ pub fn run(args: Args) -> Result<(), AppError> {
         EngineArg::Vllm => SaltStyle::VllmExtraKey,
         EngineArg::Sglang => SaltStyle::Seed,
     };
-    let mut keyer = Keyer::new(args.block_size as usize, salt_style, args.model.clone());
+    let mut keyer = Keyer::new(args.block_size as usize, salt_style, args.model.clone())
+        .with_finish(args.finish());
     match &args.tokenizer_dir {
         Some(dir) => {
             let tok = tokenize::TextTokenizer::from_dir(dir)
@@ -149,10 +150,11 @@ pub fn run(args: Args) -> Result<(), AppError> {
             crate::load::ScrapeConfig::default(),
         )
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(AppError::Runtime)?;
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if args.worker_threads > 0 {
+        runtime.worker_threads(args.worker_threads);
+    }
+    let runtime = runtime.enable_all().build().map_err(AppError::Runtime)?;
     let nats = match nats_config(&args) {
         Some(config) => {
             let shared = crate::ingest::nats::Shared {

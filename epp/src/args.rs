@@ -125,6 +125,25 @@ pub struct Args {
     /// The engines' kind, for how `cache_salt` is keyed.
     #[arg(long, value_enum, default_value_t = EngineArg::Vllm)]
     pub engine: EngineArg,
+    /// Tokenize the rest of early-stopped prompts on a background thread, so a conversation's
+    /// next turn finds them in the tokenization cache.
+    #[arg(long, env = "KVGATE_FINISH_PROMPTS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub finish_prompts: bool,
+    /// Most bytes of prompt text the background finisher takes per second; prompts over it
+    /// are left for their next turn to tokenize. 0: no budget (the queue bound only).
+    #[arg(long, env = "KVGATE_FINISH_BYTES_PER_SECOND", default_value_t = 0)]
+    pub finish_bytes_per_second: u64,
+    /// The background finisher thread's `nice` value (19: about 1.5% of a CPU that a
+    /// default-priority thread wants, so mostly idle time; below 0 needs privileges).
+    #[arg(long, env = "KVGATE_FINISH_NICE", default_value_t = crate::routing::finish::DEFAULT_NICE,
+          value_parser = clap::value_parser!(i32).range(-20..=19))]
+    pub finish_nice: i32,
+    /// Tokio worker threads serving ext_proc (0: one per CPU).
+    #[arg(long, env = "KVGATE_WORKER_THREADS", default_value_t = 0)]
+    pub worker_threads: usize,
+    /// HTTP/2 adaptive flow-control windows on the ext_proc listener (BDP estimation).
+    #[arg(long, env = "KVGATE_HTTP2_ADAPTIVE_WINDOW", default_value_t = false, action = clap::ArgAction::Set)]
+    pub http2_adaptive_window: bool,
 }
 
 impl Args {
@@ -162,6 +181,16 @@ impl Args {
             return Err("--max-body-bytes must be positive".into());
         }
         Ok(())
+    }
+
+    /// How the background prompt finisher is held back.
+    pub fn finish(&self) -> crate::routing::finish::FinishConfig {
+        crate::routing::finish::FinishConfig {
+            enabled: self.finish_prompts,
+            bytes_per_second: (self.finish_bytes_per_second > 0)
+                .then_some(self.finish_bytes_per_second),
+            nice: self.finish_nice,
+        }
     }
 }
 

@@ -97,6 +97,12 @@ pub fn render(s: &Sources) -> String {
             get(&f.dropped) as f64,
         );
         metric(
+            "kvgate_epp_prompts_finish_over_budget_total",
+            "counter",
+            "Early-stopped prompts not finished because the finisher's byte budget was spent.",
+            get(&f.over_budget) as f64,
+        );
+        metric(
             "kvgate_epp_background_tokenized_bytes_total",
             "counter",
             "Bytes of prompt text tokenized in the background (segment-cache misses).",

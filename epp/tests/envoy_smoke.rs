@@ -506,6 +506,7 @@ async fn stack(mode: Mode, tls: bool, override_host: bool) -> Stack {
         },
         stream: StreamConfig::default(),
         drain_timeout: Duration::from_secs(1),
+        http2_adaptive_window: false,
     })
     .await
     .unwrap();

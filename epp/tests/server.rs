@@ -48,6 +48,7 @@ async fn start(router: Arc<FakeRouter>, tls: TlsMode, drain_timeout: Duration) -
         tls,
         stream: StreamConfig::default(),
         drain_timeout,
+        http2_adaptive_window: false,
     };
     let bound = server::bind(config).await.unwrap();
     let ext_proc = bound.ext_proc_addr().unwrap();
@@ -209,6 +210,7 @@ async fn tls_from_certificate_files() {
         },
         stream: StreamConfig::default(),
         drain_timeout: LONG,
+        http2_adaptive_window: false,
     })
     .await
     .unwrap_err();
@@ -350,6 +352,7 @@ async fn port_in_use_is_reported_before_serving() {
         tls: TlsMode::Plaintext,
         stream: StreamConfig::default(),
         drain_timeout: LONG,
+        http2_adaptive_window: false,
     })
     .await
     .unwrap_err();

@@ -23,7 +23,7 @@ use kv_events::key::{KeyHasher, SaltStyle, vllm_salt_extra_key};
 use kv_events::{BlockKey, KeySeed};
 use tokenize::{CacheOutcome, EncodeCursor, SegmentCache, TextTokenizer, TokenizeError};
 
-use super::finish::{FinishStats, Finisher};
+use super::finish::{FinishConfig, FinishStats, Finisher};
 use super::request::{Input, ParsedRequest, Prompt};
 
 /// A served model's tokenizer and its cache.
@@ -62,6 +62,7 @@ pub struct Keyer {
     chunk_bytes: usize,
     models: HashMap<String, Arc<ModelTokenizer>>,
     fallback: Arc<ModelTokenizer>,
+    finish: FinishConfig,
     finisher: Option<Finisher>,
 }
 
@@ -179,15 +180,23 @@ impl Keyer {
             chunk_bytes: tokenize::DEFAULT_CHUNK_BYTES,
             models: HashMap::new(),
             fallback: Arc::new(ModelTokenizer::new(TextTokenizer::fallback(), 0)),
+            finish: FinishConfig::default(),
             finisher: None,
         }
+    }
+
+    /// How the background finisher is held back (see `finish.rs`); set before [`Self::with_model`].
+    #[must_use]
+    pub fn with_finish(mut self, config: FinishConfig) -> Self {
+        self.finish = config;
+        self
     }
 
     /// Serves `model` with `tokenizer`. The first real tokenizer starts the background thread
     /// that finishes early-stopped prompts (see `finish.rs`).
     pub fn with_model(mut self, model: impl Into<String>, tokenizer: ModelTokenizer) -> Self {
         if self.finisher.is_none() && tokenizer.tokenizer.is_exact() {
-            self.finisher = Finisher::start();
+            self.finisher = Finisher::start(self.finish);
         }
         self.models.insert(model.into(), Arc::new(tokenizer));
         self
@@ -326,12 +335,7 @@ impl Keyer {
                 if let Some(f) = &self.finisher
                     && model.tokenizer.is_exact()
                 {
-                    f.submit(
-                        Arc::clone(model),
-                        cursor.into_text(),
-                        chat,
-                        self.chunk_bytes,
-                    );
+                    f.submit(Arc::clone(model), cursor, chat, self.chunk_bytes);
                 }
                 return Ok((estimate, ids.len(), true, outcome));
             }

@@ -1,5 +1,6 @@
 //! The routing brain behind the ext_proc layer: request parsing, keying, endpoints and the pick.
 
+pub mod budget;
 pub mod finish;
 pub mod keys;
 pub mod picker;

@@ -63,6 +63,8 @@ pub struct ServerConfig {
     pub stream: StreamConfig,
     /// How long open streams may run after shutdown begins before they are cut.
     pub drain_timeout: Duration,
+    /// HTTP/2 adaptive flow-control windows on the ext_proc listener.
+    pub http2_adaptive_window: bool,
 }
 
 impl ServerConfig {
@@ -88,6 +90,7 @@ impl ServerConfig {
                 ..StreamConfig::default()
             },
             drain_timeout: Duration::from_secs(args.drain_timeout_seconds),
+            http2_adaptive_window: args.http2_adaptive_window,
         }
     }
 }
@@ -230,7 +233,8 @@ impl Bound {
             .add_service(health_service)
             .serve_with_incoming_shutdown(TcpIncoming::from(health), stopped(stop_rx.clone()));
 
-        let mut builder = Server::builder();
+        let mut builder =
+            Server::builder().http2_adaptive_window(Some(config.http2_adaptive_window));
         if let Some(material) = &tls {
             builder = builder
                 .tls_config(ServerTlsConfig::new().identity(material.identity()))
