@@ -399,28 +399,41 @@ impl KvIndex {
 
     fn flush_with(&self, holder: u32, ops: &mut [Vec<Op>], deadline: Millis, ctx: &mut RunCtx<'_>) {
         let mut blocked = Vec::new();
+        // Every free shard whose ops fit one hold is taken at once, all their lines touched
+        // together (the misses overlap across shards; stalling on each shard in turn costs a
+        // memory latency per shard, and an `apply` of a few chains spreads over all shards),
+        // then written and let go one by one. Only `try_write`: nothing waits while holding.
+        let mut held = Vec::with_capacity(ops.len());
+        let mut big = Vec::new();
         for (i, v) in ops.iter_mut().enumerate() {
             if v.is_empty() {
                 continue;
             }
-            if v.len() <= WRITE_BATCH {
-                let Some(lock) = self.shards.get(i) else {
-                    v.clear();
-                    continue;
-                };
-                match lock.try_write() {
-                    Ok(mut g) => g.apply(holder, v, deadline, ctx),
-                    Err(TryLockError::Poisoned(p)) => {
-                        p.into_inner().apply(holder, v, deadline, ctx);
-                    }
-                    Err(TryLockError::WouldBlock) => {
-                        blocked.push(i);
-                        continue;
-                    }
-                }
-                v.clear();
+            if v.len() > WRITE_BATCH {
+                big.push(i);
                 continue;
             }
+            match self.shards.get(i).map(RwLock::try_write) {
+                Some(Ok(g)) => held.push((i, g)),
+                Some(Err(TryLockError::Poisoned(p))) => held.push((i, p.into_inner())),
+                Some(Err(TryLockError::WouldBlock)) => blocked.push(i),
+                None => v.clear(),
+            }
+        }
+        let sink = held.iter().fold(0, |a, (i, g)| {
+            a ^ ops.get(*i).map_or(0, |v| g.touch(holder, v))
+        });
+        std::hint::black_box(sink);
+        for (i, mut g) in held {
+            if let Some(v) = ops.get_mut(i) {
+                g.apply_touched(holder, v, deadline, ctx);
+                v.clear();
+            }
+        }
+        for i in big {
+            let Some(v) = ops.get_mut(i) else {
+                continue;
+            };
             match self.shards.get(i).map(RwLock::try_write) {
                 Some(Ok(g)) => self.write_all(i, g, holder, v, deadline, ctx),
                 Some(Err(TryLockError::Poisoned(p))) => {
@@ -646,7 +659,7 @@ impl KvIndex {
                     let rest = keys.get(done..).unwrap_or_default();
                     let mut ended = false;
                     let base = done;
-                    let n = log.walk(pos, rest, |j, bits| {
+                    let n = log.walk_changes(pos, rest, |j, bits| {
                         let w = one_word(holder, bits);
                         if w == prev_one {
                             return true;
@@ -730,11 +743,13 @@ impl KvIndex {
                 }
                 std::hint::black_box(&loaded);
                 let last = chunk.len().saturating_sub(1);
+                // The last key fed: the cursor is taken from it once the batch is done.
+                let mut fed: Option<(&Table, usize)> = None;
                 for (n, (t, &slot)) in tables.iter().zip(&slots).take(chunk.len()).enumerate() {
                     let i = u32::try_from(done).unwrap_or(u32::MAX);
                     done += 1;
                     let Some(t) = t.filter(|_| slot != NOT_FOUND) else {
-                        cursor = None;
+                        fed = None;
                         if !m.key(i, Holders::None, candidates, &nodes) {
                             break 'walk;
                         }
@@ -748,7 +763,7 @@ impl KvIndex {
                             break 'walk;
                         }
                     }
-                    cursor = t.cursor(slot, planner);
+                    fed = Some((t, slot));
                     // A block held by one holder mid-batch may start a run: follow it now
                     // if its log goes on with the next key (the rest of the batch is dropped).
                     if n < last
@@ -763,6 +778,7 @@ impl KvIndex {
                         break;
                     }
                 }
+                cursor = fed.and_then(|(t, slot)| t.cursor(slot, planner));
                 batch = (batch * 2).min(MAX_BATCH);
                 reader.yield_to_writers();
             }

@@ -183,6 +183,40 @@ impl RunLog {
         n
     }
 
+    /// [`RunLog::walk`], calling `f(j, bits)` only for the first key and for each key whose
+    /// state differs from the previous key's (a lookup skips a key whose holders equal the
+    /// previous key's anyway, and a run's blocks mostly share one state).
+    pub(crate) fn walk_changes(
+        &self,
+        pos: u32,
+        keys: &[kv_events::BlockKey],
+        mut f: impl FnMut(usize, Bits) -> bool,
+    ) -> usize {
+        let start = pos as usize + 1;
+        let (Some(log), Some(states)) = (self.keys.get(start..), self.states.get(start..)) else {
+            return 0;
+        };
+        let mut n = 0;
+        let mut prev = 0;
+        for ((&k, s), q) in log.iter().zip(states).zip(keys) {
+            let st = s.load(Relaxed);
+            if k != q.0 || st & STATE == 0 {
+                break;
+            }
+            if st & REF == 0 {
+                s.fetch_or(REF, Relaxed);
+            }
+            n += 1;
+            if st & STATE != prev {
+                prev = st & STATE;
+                if !f(n - 1, prev) {
+                    break;
+                }
+            }
+        }
+        n
+    }
+
     /// How many of `keys` (from the first, whose entry would be at `pos`) a lookup should
     /// probe next, as this log names them: entries equal to the keys but without a known state
     /// (blocks shared with other holders) up to the first entry with one (the next run to
@@ -451,6 +485,16 @@ mod tests {
         assert!(l.take_ref(7, 8) && !l.take_ref(7, 8));
         // The walk stops when told to.
         assert_eq!(l.walk(5, &q, |j, _| j < 1), 2);
+        // Walking for changes only: keys 7..=10 have states 1, 1, 2, 1 (the third rewritten).
+        l.set(8, 9, 2);
+        let mut seen = Vec::new();
+        let n = l.walk_changes(5, &q, |j, b| {
+            seen.push((j, b));
+            true
+        });
+        assert_eq!((n, seen), (4, vec![(0, 1), (2, 2), (3, 1)]));
+        assert_eq!(l.walk_changes(5, &q, |j, _| j < 2), 3);
+        l.set(8, 9, 1);
         // Planning probes: from key 5 (shared) on, the log names key 5 then a known run.
         let q: Vec<BlockKey> = (5..=10).map(BlockKey).collect();
         assert_eq!(l.plan(4, &q, 64), 1);

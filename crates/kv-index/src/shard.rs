@@ -284,14 +284,37 @@ impl Shard {
         deadline: Millis,
         runs: &mut RunCtx<'_>,
     ) {
-        // Touch every op's home bucket first, so the batch's cache misses overlap (chunks are
-        // often a few ops: a fold costs nothing to set up).
+        std::hint::black_box(self.touch(holder, ops));
+        self.apply_touched(holder, ops, deadline, runs);
+    }
+
+    /// Loads the lines `ops` will write (every op's home bucket, the tails of `holder`'s key
+    /// list and dropped keys) and returns a value depending on them: a writer touches all its
+    /// shards' lines first, so their cache misses overlap instead of stalling one by one.
+    pub(crate) fn touch(&self, holder: u32, ops: &[Op]) -> u64 {
         let t = &self.core.table;
         let sink = ops.iter().fold(0, |a, op| {
             let (Op::Set(k, ..) | Op::Unset(k, _) | Op::Spec(k, _)) = *op;
             a ^ t.peek(t.home(k.0))
         });
-        std::hint::black_box(sink);
+        let list = self
+            .core
+            .list_of
+            .get(&holder)
+            .and_then(|&li| self.core.lists.get(li));
+        list.map_or(sink, |l| {
+            sink ^ l.keys.last().copied().unwrap_or(0) ^ l.dropped.last().copied().unwrap_or(0)
+        })
+    }
+
+    /// [`Shard::apply`] once [`Shard::touch`] has loaded the lines.
+    pub(crate) fn apply_touched(
+        &mut self,
+        holder: u32,
+        ops: &[Op],
+        deadline: Millis,
+        runs: &mut RunCtx<'_>,
+    ) {
         let li = self.core.list(holder);
         for &op in ops {
             self.core.op(holder, op, deadline, li, runs);
