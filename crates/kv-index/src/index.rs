@@ -398,42 +398,44 @@ impl KvIndex {
     }
 
     fn flush_with(&self, holder: u32, ops: &mut [Vec<Op>], deadline: Millis, ctx: &mut RunCtx<'_>) {
+        // First touch every line the ops will write, in all shards at once, under *shared*
+        // locks (so lookups are not held up, and nothing waits: `try_read` only): an `apply`
+        // of a few chains spreads over every shard, and touching shard by shard under its
+        // exclusive lock stalled once per shard (the unlock's fence waits for the writes'
+        // misses); this way the misses of all shards overlap, and each exclusive hold is short.
+        let sink = ops.iter().enumerate().fold(0, |a, (i, v)| {
+            if v.is_empty() {
+                return a;
+            }
+            match self.shards.get(i).map(RwLock::try_read) {
+                Some(Ok(g)) => a ^ g.touch(holder, v),
+                _ => a,
+            }
+        });
+        std::hint::black_box(sink);
         let mut blocked = Vec::new();
-        // Every free shard whose ops fit one hold is taken at once, all their lines touched
-        // together (the misses overlap across shards; stalling on each shard in turn costs a
-        // memory latency per shard, and an `apply` of a few chains spreads over all shards),
-        // then written and let go one by one. Only `try_write`: nothing waits while holding.
-        let mut held = Vec::with_capacity(ops.len());
-        let mut big = Vec::new();
         for (i, v) in ops.iter_mut().enumerate() {
             if v.is_empty() {
                 continue;
             }
-            if v.len() > WRITE_BATCH {
-                big.push(i);
-                continue;
-            }
-            match self.shards.get(i).map(RwLock::try_write) {
-                Some(Ok(g)) => held.push((i, g)),
-                Some(Err(TryLockError::Poisoned(p))) => held.push((i, p.into_inner())),
-                Some(Err(TryLockError::WouldBlock)) => blocked.push(i),
-                None => v.clear(),
-            }
-        }
-        let sink = held.iter().fold(0, |a, (i, g)| {
-            a ^ ops.get(*i).map_or(0, |v| g.touch(holder, v))
-        });
-        std::hint::black_box(sink);
-        for (i, mut g) in held {
-            if let Some(v) = ops.get_mut(i) {
-                g.apply_touched(holder, v, deadline, ctx);
+            if v.len() <= WRITE_BATCH {
+                let Some(lock) = self.shards.get(i) else {
+                    v.clear();
+                    continue;
+                };
+                match lock.try_write() {
+                    Ok(mut g) => g.apply_touched(holder, v, deadline, ctx),
+                    Err(TryLockError::Poisoned(p)) => {
+                        p.into_inner().apply_touched(holder, v, deadline, ctx);
+                    }
+                    Err(TryLockError::WouldBlock) => {
+                        blocked.push(i);
+                        continue;
+                    }
+                }
                 v.clear();
-            }
-        }
-        for i in big {
-            let Some(v) = ops.get_mut(i) else {
                 continue;
-            };
+            }
             match self.shards.get(i).map(RwLock::try_write) {
                 Some(Ok(g)) => self.write_all(i, g, holder, v, deadline, ctx),
                 Some(Err(TryLockError::Poisoned(p))) => {
