@@ -2,9 +2,11 @@
 //! advisory per-shard count of waiting writers so neither side holds a lock long while the
 //! other waits.
 //!
-//! - Writers (one per source stream) bucket an event batch by shard and apply each shard's
-//!   ops in chunks of at most [`WRITE_BATCH`] per exclusive hold. Shards that are free are
-//!   written at once; the others are announced together and taken as they come free.
+//! - Writers (one per source stream) bucket an event batch by shard, touch every line the ops
+//!   will write in all shards at once under shared locks (`try_read`: their cache misses
+//!   overlap, and no lookup is held up), then apply each shard's ops in chunks of at most
+//!   [`WRITE_BATCH`] per exclusive hold. Shards that are free are written at once; the others
+//!   are announced together and taken as they come free.
 //! - A lookup takes a shard's shared lock the first time one of its keys needs it and keeps
 //!   it for the next keys, but after every probe batch it lets go of each shard a writer is
 //!   waiting for, and defers to announced writers before taking a shard. So a writer waits
@@ -15,8 +17,10 @@
 //!   waits for, and spins (then yields) rather than sleeping on the lock. Hence no deadlock,
 //!   and a writer is never starved by back-to-back lookups (`tests/concurrency.rs`).
 //! - Run logs ([`crate::runs`]): an `apply` holds its source's log exclusively throughout and
-//!   zeroes other holders' entries only once it holds no shard; a lookup only *tries* a log's
-//!   lock, reads it and lets go before anything else, so logs add no wait cycle. A lookup
+//!   zeroes other holders' entries only once it holds no shard (queueing them for a log held
+//!   by its writer); `speculate` only *tries* its endpoint's log (busy: no positions); a
+//!   lookup only *tries* a log's lock, reads it and lets go before anything else, so logs add
+//!   no wait cycle and the request path never waits behind an ingest. A lookup
 //!   follows a log from the last key it fed (a *cursor*) and lets it plan the next probe batch.
 
 use std::cell::RefCell;
@@ -562,7 +566,7 @@ impl KvIndex {
     /// Never waits for the endpoint's run log (an `apply` of the endpoint's events holds it
     /// for its whole call): when it is busy, the speculative residencies get no log position
     /// (lookups probe them) and the entries they invalidate are zeroed by the `apply` before
-    /// it lets go of the log (see [`crate::runs::LogCell`]).
+    /// it lets go of the log.
     pub fn speculate(&self, endpoint: EndpointId, keys: &[BlockKey], now: Millis, ttl: Millis) {
         let holder = Holder::Endpoint(endpoint).pack();
         let deadline = now.after(ttl);
