@@ -2,9 +2,11 @@
 //! advisory per-shard count of waiting writers so neither side holds a lock long while the
 //! other waits.
 //!
-//! - Writers (one per source stream) bucket an event batch by shard and apply each shard's
-//!   ops in chunks of at most [`WRITE_BATCH`] per exclusive hold. Shards that are free are
-//!   written at once; the others are announced together and taken as they come free.
+//! - Writers (one per source stream) bucket an event batch by shard, touch every line the ops
+//!   will write in all shards at once under shared locks (`try_read`: their cache misses
+//!   overlap, and no lookup is held up), then apply each shard's ops in chunks of at most
+//!   [`WRITE_BATCH`] per exclusive hold. Shards that are free are written at once; the others
+//!   are announced together and taken as they come free.
 //! - A lookup takes a shard's shared lock the first time one of its keys needs it and keeps
 //!   it for the next keys, but after every probe batch it lets go of each shard a writer is
 //!   waiting for, and defers to announced writers before taking a shard. So a writer waits
@@ -15,8 +17,10 @@
 //!   waits for, and spins (then yields) rather than sleeping on the lock. Hence no deadlock,
 //!   and a writer is never starved by back-to-back lookups (`tests/concurrency.rs`).
 //! - Run logs ([`crate::runs`]): an `apply` holds its source's log exclusively throughout and
-//!   zeroes other holders' entries only once it holds no shard; a lookup only *tries* a log's
-//!   lock, reads it and lets go before anything else, so logs add no wait cycle. A lookup
+//!   zeroes other holders' entries only once it holds no shard (queueing them for a log held
+//!   by its writer); `speculate` only *tries* its endpoint's log (busy: no positions); a
+//!   lookup only *tries* a log's lock, reads it and lets go before anything else, so logs add
+//!   no wait cycle and the request path never waits behind an ingest. A lookup
 //!   follows a log from the last key it fed (a *cursor*) and lets it plan the next probe batch.
 
 use std::cell::RefCell;
@@ -31,7 +35,7 @@ use crate::config::{ConfigError, IndexConfig};
 use crate::id::{EndpointId, Holder, NodeId};
 use crate::matcher::{Matcher, NodeOf};
 use crate::overlap::Overlap;
-use crate::runs::{RunCtx, RunLog, Runs, Zero};
+use crate::runs::{LogCell, RunCtx, RunLog, Runs, Zero};
 use crate::shard::{Op, Shard};
 use crate::table::{ALL_TIERS, Bits, Holders, NO_POS, SPEC, Table, entry, one_word, tier_bit};
 use crate::time::Millis;
@@ -222,10 +226,10 @@ impl<'a> Reader<'a> {
 
 /// The run log a lookup used last (most walks follow one holder's runs).
 #[derive(Default)]
-struct LastLog(Option<(u32, Arc<RwLock<RunLog>>)>);
+struct LastLog(Option<(u32, Arc<LogCell>)>);
 
 impl LastLog {
-    fn get(&mut self, runs: &Runs, holder: u32) -> Option<&RwLock<RunLog>> {
+    fn get(&mut self, runs: &Runs, holder: u32) -> Option<&LogCell> {
         if self.0.as_ref().is_none_or(|(h, _)| *h != holder) {
             self.0 = runs.get(holder).map(|l| (holder, l));
         }
@@ -348,10 +352,11 @@ impl KvIndex {
     fn with_log<R>(&self, holder: u32, f: impl FnOnce(&mut RunLog, &mut Vec<Zero>) -> R) -> R {
         let log = self.runs.get_or_create(holder);
         let r = ZEROS.with_borrow_mut(|zeros| {
-            let mut g = log.write().unwrap_or_else(PoisonError::into_inner);
-            let r = f(&mut g, zeros);
-            g.zero_own(holder, zeros);
-            r
+            log.write(|g| {
+                let r = f(g, zeros);
+                g.zero_own(holder, zeros);
+                r
+            })
         });
         ZEROS.with_borrow_mut(|zeros| self.runs.apply_zeros(zeros));
         r
@@ -397,6 +402,21 @@ impl KvIndex {
     }
 
     fn flush_with(&self, holder: u32, ops: &mut [Vec<Op>], deadline: Millis, ctx: &mut RunCtx<'_>) {
+        // First touch every line the ops will write, in all shards at once, under *shared*
+        // locks (so lookups are not held up, and nothing waits: `try_read` only): an `apply`
+        // of a few chains spreads over every shard, and touching shard by shard under its
+        // exclusive lock stalled once per shard (the unlock's fence waits for the writes'
+        // misses); this way the misses of all shards overlap, and each exclusive hold is short.
+        let sink = ops.iter().enumerate().fold(0, |a, (i, v)| {
+            if v.is_empty() {
+                return a;
+            }
+            match self.shards.get(i).map(RwLock::try_read) {
+                Some(Ok(g)) => a ^ g.touch(holder, v),
+                _ => a,
+            }
+        });
+        std::hint::black_box(sink);
         let mut blocked = Vec::new();
         for (i, v) in ops.iter_mut().enumerate() {
             if v.is_empty() {
@@ -408,9 +428,9 @@ impl KvIndex {
                     continue;
                 };
                 match lock.try_write() {
-                    Ok(mut g) => g.apply(holder, v, deadline, ctx),
+                    Ok(mut g) => g.apply_touched(holder, v, deadline, ctx),
                     Err(TryLockError::Poisoned(p)) => {
-                        p.into_inner().apply(holder, v, deadline, ctx);
+                        p.into_inner().apply_touched(holder, v, deadline, ctx);
                     }
                     Err(TryLockError::WouldBlock) => {
                         blocked.push(i);
@@ -542,15 +562,40 @@ impl KvIndex {
     /// Records that a request routed to `endpoint` will put `keys` in its GPU cache: they count
     /// as GPU residency until a store or removal from the endpoint confirms them, or until
     /// [`KvIndex::expire`] runs at or after `now + ttl`.
+    ///
+    /// Never waits for the endpoint's run log (an `apply` of the endpoint's events holds it
+    /// for its whole call): when it is busy, the speculative residencies get no log position
+    /// (lookups probe them) and the entries they invalidate are zeroed by the `apply` before
+    /// it lets go of the log.
     pub fn speculate(&self, endpoint: EndpointId, keys: &[BlockKey], now: Millis, ttl: Millis) {
         let holder = Holder::Endpoint(endpoint).pack();
-        self.with_log(holder, |log, zeros| {
+        let deadline = now.after(ttl);
+        let log = self.runs.get_or_create(holder);
+        let logged = ZEROS.with_borrow_mut(|zeros| {
+            log.try_write(|log| {
+                OPS.with_borrow_mut(|ops| {
+                    ops.resize_with(self.shards.len(), Vec::new);
+                    self.bucket(ops, keys, log, |_, k, pos| Op::Spec(k, pos));
+                    self.flush(holder, ops, deadline, log, zeros);
+                });
+                log.zero_own(holder, zeros);
+            })
+        });
+        if logged.is_none() {
             OPS.with_borrow_mut(|ops| {
                 ops.resize_with(self.shards.len(), Vec::new);
-                self.bucket(ops, keys, log, |_, k, pos| Op::Spec(k, pos));
-                self.flush(holder, ops, now.after(ttl), log, zeros);
+                for &k in keys {
+                    if let Some(v) = ops.get_mut(self.shard_of(k)) {
+                        v.push(Op::Spec(k, NO_POS));
+                    }
+                }
+                ZEROS.with_borrow_mut(|zeros| {
+                    let mut ctx = RunCtx::deferred(&self.runs, zeros);
+                    self.flush_with(holder, ops, deadline, &mut ctx);
+                });
             });
-        });
+        }
+        ZEROS.with_borrow_mut(|zeros| self.runs.apply_zeros(zeros));
     }
 
     /// Drops speculative entries whose deadline is at or before `now`; returns how many.
@@ -615,12 +660,12 @@ impl KvIndex {
                 let mut planner = u32::MAX;
                 if let Some((holder, pos)) = cursor.take()
                     && let Some(log) = logs.get(&self.runs, holder)
-                    && let Ok(log) = log.try_read()
+                    && let Some(log) = log.try_read()
                 {
                     let rest = keys.get(done..).unwrap_or_default();
                     let mut ended = false;
                     let base = done;
-                    let n = log.walk(pos, rest, |j, bits| {
+                    let n = log.walk_changes(pos, rest, |j, bits| {
                         let w = one_word(holder, bits);
                         if w == prev_one {
                             return true;
@@ -704,11 +749,13 @@ impl KvIndex {
                 }
                 std::hint::black_box(&loaded);
                 let last = chunk.len().saturating_sub(1);
+                // The last key fed: the cursor is taken from it once the batch is done.
+                let mut fed: Option<(&Table, usize)> = None;
                 for (n, (t, &slot)) in tables.iter().zip(&slots).take(chunk.len()).enumerate() {
                     let i = u32::try_from(done).unwrap_or(u32::MAX);
                     done += 1;
                     let Some(t) = t.filter(|_| slot != NOT_FOUND) else {
-                        cursor = None;
+                        fed = None;
                         if !m.key(i, Holders::None, candidates, &nodes) {
                             break 'walk;
                         }
@@ -722,14 +769,14 @@ impl KvIndex {
                             break 'walk;
                         }
                     }
-                    cursor = t.cursor(slot, planner);
+                    fed = Some((t, slot));
                     // A block held by one holder mid-batch may start a run: follow it now
                     // if its log goes on with the next key (the rest of the batch is dropped).
                     if n < last
                         && let Some((holder, _, pos)) = t.sole(slot)
                         && pos != NOT_LOGGED
                         && let Some(log) = logs.get(&self.runs, holder)
-                        && let Ok(log) = log.try_read()
+                        && let Some(log) = log.try_read()
                         && log.walk(pos, keys.get(done..done + 1).unwrap_or_default(), |_, _| {
                             true
                         }) > 0
@@ -737,6 +784,7 @@ impl KvIndex {
                         break;
                     }
                 }
+                cursor = fed.and_then(|(t, slot)| t.cursor(slot, planner));
                 batch = (batch * 2).min(MAX_BATCH);
                 reader.yield_to_writers();
             }
@@ -757,5 +805,104 @@ impl KvIndex {
         }
         st.heap_bytes += self.runs.heap_bytes();
         st
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing,
+        clippy::panic
+    )]
+
+    use std::sync::mpsc;
+
+    use super::*;
+
+    fn key(i: u64) -> BlockKey {
+        BlockKey((i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    }
+
+    /// Every run-log entry of `holder` claiming a state is its key's only residency, with
+    /// exactly those bits.
+    fn entries_exact(idx: &KvIndex, holder: u32) {
+        let log = idx.runs.get(holder).unwrap();
+        assert_eq!(log.queued(), 0);
+        for (k, state) in log.try_read().unwrap().known() {
+            let shard = idx.shards[idx.shard_of(BlockKey(k))].read().unwrap();
+            assert_eq!(
+                shard.table().get(k),
+                Holders::One(crate::table::entry(holder, state)),
+                "entry of key {k}"
+            );
+        }
+    }
+
+    /// The EPP's request path must not wait behind a large ingest: while the endpoint's run
+    /// log is held exclusively (as an `apply` holds it), `speculate` completes, lookups see
+    /// the speculation, and the log entries it invalidated are zeroed before the log is let go.
+    #[test]
+    fn speculation_does_not_wait_for_a_busy_run_log() {
+        let idx = KvIndex::new(IndexConfig {
+            shards: 4,
+            capacity: 1 << 20,
+        })
+        .unwrap();
+        let e = EndpointId::new(3).unwrap();
+        let holder = Holder::Endpoint(e).pack();
+        let keys: Vec<BlockKey> = (0..40).map(key).collect();
+        // The endpoint holds the first 20 blocks in host memory only (exact log entries).
+        idx.apply(
+            Holder::Endpoint(e),
+            &[KvEvent::Stored {
+                keys: keys[..20].to_vec(),
+                parent: None,
+                tier: Tier::Host,
+                lora: None,
+                token_count: 256,
+            }],
+        );
+        entries_exact(&idx, holder);
+        let reach = |idx: &KvIndex| idx.find_matches(&keys, &[e])[0].reaches();
+        assert_eq!(reach(&idx), [0, 20, 20, 20]);
+
+        let cell = idx.runs.get(holder).unwrap();
+        let (done, finished) = mpsc::channel();
+        std::thread::scope(|s| {
+            cell.write(|_log| {
+                s.spawn(|| {
+                    idx.speculate(e, &keys[..30], Millis(0), Millis(100));
+                    done.send(()).unwrap();
+                });
+                // A generous bound only so a regression fails instead of hanging: with the log
+                // held here, a speculation waiting for it would never finish.
+                finished
+                    .recv_timeout(Duration::from_secs(60))
+                    .expect("speculate waited for the busy run log");
+                // Lookups cannot read the log now: they probe, and see the speculation.
+                assert_eq!(reach(&idx), [30, 30, 30, 30]);
+                // The host-only entries the speculation made stale wait for this writer.
+                assert_eq!(cell.queued(), 20);
+            });
+        });
+        // Released: the queued entries were zeroed first, so every entry is exact.
+        entries_exact(&idx, holder);
+        assert_eq!(reach(&idx), [30, 30, 30, 30]);
+        // Confirmed by a GPU store, speculation goes; expiry of the rest leaves the host tier.
+        idx.apply(
+            Holder::Endpoint(e),
+            &[KvEvent::Stored {
+                keys: keys[..10].to_vec(),
+                parent: None,
+                tier: Tier::Gpu,
+                lora: None,
+                token_count: 256,
+            }],
+        );
+        assert_eq!(idx.expire(Millis(100)), 20);
+        entries_exact(&idx, holder);
+        assert_eq!(reach(&idx), [10, 20, 20, 20]);
     }
 }

@@ -23,14 +23,18 @@
 //! log grows by a quarter while more than half its entries are live, else wraps, so it stays
 //! under 2.5 times its holder's accelerated residencies when it last grew (9 bytes per entry).
 //!
-//! Concurrency: a log sits behind its own `RwLock`. Appends and rewrites take it exclusively
-//! (the holder's writer, for the whole of one `apply`); zeroing and lookups take it shared
-//! (states are atomic). A lookup only ever *tries* the lock and falls back to probing, and
-//! writers zero other holders' entries only after releasing their shard locks, so no thread
-//! waits for a log while holding what another waits for.
+//! Concurrency: a log sits behind its own `RwLock` in a [`LogCell`]. Appends and rewrites take
+//! it exclusively (the holder's writer, for the whole of one `apply`); zeroing and lookups take
+//! it shared (states are atomic). Nobody waits for a log held exclusively except its holder's
+//! next writer: a lookup only *tries* the lock and falls back to probing; a zeroing that finds
+//! the log held queues its position in the cell, and the thread holding the log zeroes the
+//! queue before it lets go (so the entry is exact again by the time anyone can read the log);
+//! and speculation *tries* the lock and, when the log is busy, records its residencies without
+//! a log position. Writers zero other holders' entries only after releasing their shard locks,
+//! so no thread waits for a log while holding what another waits for.
 
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, TryLockError};
 
 use kv_events::fasthash::U64Map;
 
@@ -179,6 +183,40 @@ impl RunLog {
         n
     }
 
+    /// [`RunLog::walk`], calling `f(j, bits)` only for the first key and for each key whose
+    /// state differs from the previous key's (a lookup skips a key whose holders equal the
+    /// previous key's anyway, and a run's blocks mostly share one state).
+    pub(crate) fn walk_changes(
+        &self,
+        pos: u32,
+        keys: &[kv_events::BlockKey],
+        mut f: impl FnMut(usize, Bits) -> bool,
+    ) -> usize {
+        let start = pos as usize + 1;
+        let (Some(log), Some(states)) = (self.keys.get(start..), self.states.get(start..)) else {
+            return 0;
+        };
+        let mut n = 0;
+        let mut prev = 0;
+        for ((&k, s), q) in log.iter().zip(states).zip(keys) {
+            let st = s.load(Relaxed);
+            if k != q.0 || st & STATE == 0 {
+                break;
+            }
+            if st & REF == 0 {
+                s.fetch_or(REF, Relaxed);
+            }
+            n += 1;
+            if st & STATE != prev {
+                prev = st & STATE;
+                if !f(n - 1, prev) {
+                    break;
+                }
+            }
+        }
+        n
+    }
+
     /// How many of `keys` (from the first, whose entry would be at `pos`) a lookup should
     /// probe next, as this log names them: entries equal to the keys but without a known state
     /// (blocks shared with other holders) up to the first entry with one (the next run to
@@ -219,15 +257,90 @@ impl RunLog {
     }
 }
 
+/// A holder's log behind its lock, with the zeroings that found it held exclusively.
+///
+/// Protocol: a zeroing takes `pending`, then *tries* the log shared: it zeroes at once, or (the
+/// log is held exclusively, or about to be) queues the positions. A thread holding the log
+/// exclusively takes `pending` before letting go, zeroes the queue through its own access,
+/// and releases the log before `pending`. So a queued position is zeroed before the log is
+/// next readable, and nobody waits for the log's lock: only, briefly, for `pending`, which is
+/// never held while waiting for anything.
+#[derive(Debug, Default)]
+pub(crate) struct LogCell {
+    log: RwLock<RunLog>,
+    pending: Mutex<Vec<u32>>,
+}
+
+impl LogCell {
+    /// The log, shared, unless someone holds (or waits for) it exclusively.
+    pub(crate) fn try_read(&self) -> Option<RwLockReadGuard<'_, RunLog>> {
+        match self.log.try_read() {
+            Ok(g) => Some(g),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// Runs `f` holding the log exclusively (waiting for it), then zeroes what was queued.
+    pub(crate) fn write<R>(&self, f: impl FnOnce(&mut RunLog) -> R) -> R {
+        let mut g = self.log.write().unwrap_or_else(PoisonError::into_inner);
+        let r = f(&mut g);
+        self.release(g);
+        r
+    }
+
+    /// [`LogCell::write`] if the log is free now, else `None` (nothing run).
+    pub(crate) fn try_write<R>(&self, f: impl FnOnce(&mut RunLog) -> R) -> Option<R> {
+        let mut g = match self.log.try_write() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        let r = f(&mut g);
+        self.release(g);
+        Some(r)
+    }
+
+    /// Zeroes the queued positions, then lets go of the log, then of the queue.
+    fn release(&self, g: std::sync::RwLockWriteGuard<'_, RunLog>) {
+        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        for &pos in pending.iter() {
+            g.zero(pos);
+        }
+        pending.clear();
+        drop(g);
+        drop(pending);
+    }
+
+    /// Zeroes the entries at `positions`, or queues them for the thread holding the log.
+    /// Never waits for the log.
+    pub(crate) fn zero_all(&self, positions: impl Iterator<Item = u32>) {
+        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        match self.try_read() {
+            Some(l) => positions.for_each(|pos| l.zero(pos)),
+            None => pending.extend(positions),
+        }
+    }
+
+    /// Positions queued for zeroing (the log is held exclusively meanwhile).
+    #[cfg(test)]
+    pub(crate) fn queued(&self) -> usize {
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+}
+
 /// Every holder's log.
 #[derive(Debug, Default)]
 pub(crate) struct Runs {
-    logs: RwLock<U64Map<u32, Arc<RwLock<RunLog>>>>,
+    logs: RwLock<U64Map<u32, Arc<LogCell>>>,
 }
 
 impl Runs {
     /// `holder`'s log, if it has one.
-    pub(crate) fn get(&self, holder: u32) -> Option<Arc<RwLock<RunLog>>> {
+    pub(crate) fn get(&self, holder: u32) -> Option<Arc<LogCell>> {
         self.logs
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -236,7 +349,7 @@ impl Runs {
     }
 
     /// `holder`'s log, created empty if need be.
-    pub(crate) fn get_or_create(&self, holder: u32) -> Arc<RwLock<RunLog>> {
+    pub(crate) fn get_or_create(&self, holder: u32) -> Arc<LogCell> {
         if let Some(l) = self.get(holder) {
             return l;
         }
@@ -253,16 +366,13 @@ impl Runs {
     }
 
     /// Applies deferred zeroings (the caller holds no shard lock and no log), then empties
-    /// `zeros`.
+    /// `zeros`. A log held exclusively gets them queued (see [`LogCell`]): this never waits
+    /// for a log.
     pub(crate) fn apply_zeros(&self, zeros: &mut Vec<Zero>) {
         zeros.sort_unstable_by_key(|z| z.0);
-        let mut cur: Option<(u32, Arc<RwLock<RunLog>>)> = None;
-        for &(h, pos) in zeros.iter() {
-            if cur.as_ref().is_none_or(|c| c.0 != h) {
-                cur = self.get(h).map(|l| (h, l));
-            }
-            if let Some((_, l)) = &cur {
-                l.read().unwrap_or_else(PoisonError::into_inner).zero(pos);
+        for group in zeros.chunk_by(|a, b| a.0 == b.0) {
+            if let Some(cell) = group.first().and_then(|&(h, _)| self.get(h)) {
+                cell.zero_all(group.iter().map(|&(_, pos)| pos));
             }
         }
         zeros.clear();
@@ -277,14 +387,14 @@ impl Runs {
         let Some(l) = logs.get(&holder) else {
             return false;
         };
-        l.try_read().is_ok_and(|l| l.take_ref(pos, key))
+        l.try_read().is_some_and(|l| l.take_ref(pos, key))
     }
 
     /// Bytes owned by the logs (those not busy).
     pub(crate) fn heap_bytes(&self) -> usize {
         let logs = self.logs.read().unwrap_or_else(PoisonError::into_inner);
         logs.values()
-            .filter_map(|l| l.try_read().ok().map(|l| l.heap_bytes()))
+            .filter_map(|l| l.try_read().map(|l| l.heap_bytes()))
             .sum::<usize>()
             + logs.capacity() * 24
     }
@@ -375,6 +485,16 @@ mod tests {
         assert!(l.take_ref(7, 8) && !l.take_ref(7, 8));
         // The walk stops when told to.
         assert_eq!(l.walk(5, &q, |j, _| j < 1), 2);
+        // Walking for changes only: keys 7..=10 have states 1, 1, 2, 1 (the third rewritten).
+        l.set(8, 9, 2);
+        let mut seen = Vec::new();
+        let n = l.walk_changes(5, &q, |j, b| {
+            seen.push((j, b));
+            true
+        });
+        assert_eq!((n, seen), (4, vec![(0, 1), (2, 2), (3, 1)]));
+        assert_eq!(l.walk_changes(5, &q, |j, _| j < 2), 3);
+        l.set(8, 9, 1);
         // Planning probes: from key 5 (shared) on, the log names key 5 then a known run.
         let q: Vec<BlockKey> = (5..=10).map(BlockKey).collect();
         assert_eq!(l.plan(4, &q, 64), 1);
