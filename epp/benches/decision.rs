@@ -13,8 +13,12 @@
 //!   the EPP never saw (~250 tokens), and a long new user turn (~450 tokens): ~700 new tokens.
 //! - `cold`: a conversation never seen before: everything is tokenized.
 //!
+//! Each case reports wall-time percentiles and, on a second line, the same for the thread's CPU
+//! time (`CLOCK_THREAD_CPUTIME_ID`), which on a shared machine leaves out waits for a core.
+//!
 //! Run: `cargo bench -p kvgate-epp --bench decision` (`-- 8k` or `-- 100k` for one size,
-//! `-- breakdown` for the stages of a warm 8k decision timed alone).
+//! `-- breakdown` for the stages of a warm 8k decision timed alone, `-- profile` for 1,000 warm
+//! 8k decisions to attach a profiler to).
 
 #![allow(
     clippy::unwrap_used,
@@ -290,7 +294,24 @@ fn setup(dir: &Path) -> Bench {
     }
 }
 
-fn route(picker: &Picker, body: &[u8]) -> Duration {
+/// CPU time this thread has run (`CLOCK_THREAD_CPUTIME_ID`). The machine is shared, so wall
+/// time also counts time the thread waited for a core; CPU time does not.
+fn thread_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(
+        u64::try_from(t.tv_sec).unwrap_or(0),
+        u32::try_from(t.tv_nsec).unwrap_or(0),
+    )
+}
+
+/// Wall and CPU time of one routing decision.
+#[derive(Clone, Copy)]
+struct Took {
+    wall: Duration,
+    cpu: Duration,
+}
+
+fn route(picker: &Picker, body: &[u8]) -> Took {
     let input = RoutingInput {
         method: "POST",
         path: "/v1/chat/completions",
@@ -299,26 +320,36 @@ fn route(picker: &Picker, body: &[u8]) -> Duration {
         subset: None,
         request_id: None,
     };
+    let c = thread_cpu();
     let t = Instant::now();
     let d = picker.route(input).expect("routed");
-    let took = t.elapsed();
+    let wall = t.elapsed();
+    let cpu = thread_cpu().saturating_sub(c);
     picker.on_response(d.ticket, ResponseEvent::End);
-    took
+    Took { wall, cpu }
 }
 
-fn report(name: &str, tokens: usize, mut samples: Vec<Duration>) {
+fn percentiles(mut samples: Vec<Duration>) -> [f64; 4] {
     samples.sort_unstable();
     let pct = |p: f64| {
         let i = ((samples.len() as f64 - 1.0) * p).round() as usize;
         samples[i].as_secs_f64() * 1e6
     };
+    [pct(0.5), pct(0.9), pct(0.99), pct(1.0)]
+}
+
+/// Wall-time percentiles, then the same for the thread's CPU time.
+fn report(name: &str, tokens: usize, samples: Vec<Took>) {
+    let n = samples.len();
+    let wall = percentiles(samples.iter().map(|t| t.wall).collect());
+    let cpu = percentiles(samples.iter().map(|t| t.cpu).collect());
     println!(
-        "{name:<14} ~{tokens:>6} tokens  n={:<4} p50 {:>9.1} µs  p90 {:>9.1} µs  p99 {:>9.1} µs  max {:>9.1} µs",
-        samples.len(),
-        pct(0.5),
-        pct(0.9),
-        pct(0.99),
-        samples.last().unwrap().as_secs_f64() * 1e6
+        "{name:<14} ~{tokens:>6} tokens  n={n:<4} p50 {:>9.1} µs  p90 {:>9.1} µs  p99 {:>9.1} µs  max {:>9.1} µs",
+        wall[0], wall[1], wall[2], wall[3]
+    );
+    println!(
+        "{:<14}  {:>6}  cpu     p50 {:>9.1} µs  p90 {:>9.1} µs  p99 {:>9.1} µs  max {:>9.1} µs",
+        "", "", cpu[0], cpu[1], cpu[2], cpu[3]
     );
 }
 
@@ -408,17 +439,20 @@ fn breakdown(dir: &Path) {
         let _ = tok.encode_chat_cached(c, &opts, &cache).unwrap();
     }
     let time = |name: &str, f: &dyn Fn(usize)| {
-        let mut v: Vec<Duration> = (0..bodies.len())
+        let (mut wall, mut cpu): (Vec<Duration>, Vec<Duration>) = (0..bodies.len())
             .map(|i| {
+                let c = thread_cpu();
                 let t = Instant::now();
                 f(i);
-                t.elapsed()
+                (t.elapsed(), thread_cpu().saturating_sub(c))
             })
-            .collect();
-        v.sort_unstable();
+            .unzip();
+        wall.sort_unstable();
+        cpu.sort_unstable();
         println!(
-            "  {name:<40} p50 {:>8.1} µs",
-            v[v.len() / 2].as_secs_f64() * 1e6
+            "  {name:<40} p50 {:>8.1} µs  cpu p50 {:>8.1} µs",
+            wall[wall.len() / 2].as_secs_f64() * 1e6,
+            cpu[cpu.len() / 2].as_secs_f64() * 1e6
         );
     };
     time("parse body", &|i| {
@@ -463,6 +497,25 @@ fn breakdown(dir: &Path) {
     });
 }
 
+/// Warm 8k decisions for a profiler: serves `n` conversations' previous requests first, then
+/// says `routing` on stderr, waits two seconds (to attach `perf record -p`), and routes each
+/// conversation's next request once.
+fn profile(dir: &Path, n: usize) {
+    let bench = setup(dir);
+    let mut rng = Rng(0xfeed);
+    let fulls: Vec<_> = (0..n)
+        .map(|_| {
+            let full = conversation(&mut rng, 400, 12, 30);
+            bench.serve(&body(&full[..full.len() - 1]));
+            body(&full)
+        })
+        .collect();
+    eprintln!("routing");
+    std::thread::sleep(Duration::from_secs(2));
+    let took: Vec<Took> = fulls.iter().map(|b| route(&bench.picker, b)).collect();
+    report("8k warm (profile)", 0, took);
+}
+
 fn main() {
     if !std::env::args().skip(1).any(|a| a == "--bench") {
         return;
@@ -478,6 +531,10 @@ fn main() {
         .find(|a| !a.starts_with('-'))
         .unwrap_or_default();
     println!("decision cost: Picker::route, {ENDPOINTS} endpoints, block {BLOCK}, one thread");
+    if which == "profile" {
+        profile(&dir, 1000);
+        return;
+    }
     if which == "breakdown" {
         breakdown(&dir);
         return;

@@ -11,6 +11,8 @@
 //! token bytes have a fixed length, the concatenation is unambiguous. The keys do not depend on
 //! the engine's own hash algorithm or seed, so the EPP can compute them from a request alone.
 
+use std::ops::Range;
+
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -104,7 +106,8 @@ pub fn vllm_salt_extra_key(salt: &str) -> Vec<u8> {
 }
 
 /// The keys a router computes for a request's prompt: every full block, seeded by the model
-/// (or LoRA adapter) name, with the cache salt folded in as the engine does.
+/// (or LoRA adapter) name, with the cache salt folded in as the engine does. The whole prompt
+/// at once; [`KeyChain`] gives the same keys as the ids arrive.
 pub fn request_block_keys(
     model_or_lora: &str,
     cache_salt: Option<&str>,
@@ -112,39 +115,87 @@ pub fn request_block_keys(
     tokens: &[u32],
     block_size: usize,
 ) -> Vec<BlockKey> {
-    let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
-    if block_size == 0 {
-        return out;
-    }
-    let mut hasher = KeyHasher::new();
-    match (cache_salt, style) {
-        (Some(salt), SaltStyle::VllmExtraKey) => {
-            let Some(first) = tokens.get(..block_size) else {
-                return out;
-            };
-            let extra = vllm_salt_extra_key(salt);
-            let key0 = hasher.next(KeySeed::new(model_or_lora, None).0, first, Some(&extra));
-            out.push(key0);
-            let rest = tokens.get(block_size..).unwrap_or_default();
-            hasher.extend(
+    let mut chain = KeyChain::new(model_or_lora, cache_salt, style, block_size);
+    chain.reserve(tokens.len() / block_size.max(1));
+    chain.advance(tokens);
+    chain.into_keys()
+}
+
+/// A request's block keys derived as its prompt's token ids arrive, a longer prefix at a time:
+/// the one place a request's seed and salt are resolved (see [`request_block_keys`]).
+///
+/// A salt in [`SaltStyle::VllmExtraKey`] is the first block's extra key and leaves the seed
+/// unsalted; in [`SaltStyle::Seed`] it goes into the seed.
+#[derive(Debug, Clone)]
+pub struct KeyChain {
+    seed: KeySeed,
+    first_extra: Option<Vec<u8>>,
+    block_size: usize,
+    hasher: KeyHasher,
+    keys: Vec<BlockKey>,
+}
+
+impl KeyChain {
+    /// A chain for `model_or_lora` with the request's `cache_salt` folded in `style`.
+    pub fn new(
+        model_or_lora: &str,
+        cache_salt: Option<&str>,
+        style: SaltStyle,
+        block_size: usize,
+    ) -> Self {
+        let (seed, first_extra) = match (cache_salt, style) {
+            (Some(salt), SaltStyle::VllmExtraKey) => (
                 KeySeed::new(model_or_lora, None),
-                Some(key0),
-                rest,
-                block_size,
-                &mut out,
-            );
-        }
-        (salt, _) => {
-            hasher.extend(
-                KeySeed::new(model_or_lora, salt),
-                None,
-                tokens,
-                block_size,
-                &mut out,
-            );
+                Some(vllm_salt_extra_key(salt)),
+            ),
+            (salt, _) => (KeySeed::new(model_or_lora, salt), None),
+        };
+        Self {
+            seed,
+            first_extra,
+            block_size,
+            hasher: KeyHasher::new(),
+            keys: Vec::new(),
         }
     }
-    out
+
+    /// Room for `additional` more keys.
+    pub fn reserve(&mut self, additional: usize) {
+        self.keys.reserve(additional);
+    }
+
+    /// Keys every full block of `ids` (the prompt's ids so far, a longer prefix on each call)
+    /// not keyed yet; returns the indices of the new keys. A zero block size keys nothing.
+    pub fn advance(&mut self, ids: &[u32]) -> Range<usize> {
+        let start = self.keys.len();
+        if self.block_size == 0 {
+            return start..start;
+        }
+        let from = start.saturating_mul(self.block_size);
+        let rest = ids.get(from..).unwrap_or_default();
+        let mut prev = self.keys.last().map(|k| k.0);
+        for block in rest.chunks_exact(self.block_size) {
+            let key = match prev {
+                Some(p) => self.hasher.next(p, block, None),
+                None => self
+                    .hasher
+                    .next(self.seed.0, block, self.first_extra.as_deref()),
+            };
+            self.keys.push(key);
+            prev = Some(key.0);
+        }
+        start..self.keys.len()
+    }
+
+    /// The keys so far.
+    pub fn keys(&self) -> &[BlockKey] {
+        &self.keys
+    }
+
+    /// The keys, consuming the chain.
+    pub fn into_keys(self) -> Vec<BlockKey> {
+        self.keys
+    }
 }
 
 /// The keys of every full block of a prompt (convenience for one-off use).
@@ -156,7 +207,74 @@ pub fn block_keys(seed: KeySeed, tokens: &[u32], block_size: usize) -> Vec<Block
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
+    use proptest::prelude::*;
+
+    /// The documented formula, spelled out on its own: the salt is block 0's extra key (vLLM)
+    /// or part of the seed (SGLang).
+    fn naive_request_keys(
+        salt: Option<&str>,
+        style: SaltStyle,
+        ids: &[u32],
+        block: usize,
+    ) -> Vec<BlockKey> {
+        if block == 0 {
+            return Vec::new();
+        }
+        let (seed, extra) = match (salt, style) {
+            (Some(s), SaltStyle::VllmExtraKey) => {
+                (KeySeed::new("m", None), Some(vllm_salt_extra_key(s)))
+            }
+            (s, _) => (KeySeed::new("m", s), None),
+        };
+        let mut prev = seed.0;
+        let mut out = Vec::new();
+        for (i, b) in ids.chunks_exact(block).enumerate() {
+            let mut bytes = prev.to_le_bytes().to_vec();
+            for t in b {
+                bytes.extend_from_slice(&t.to_le_bytes());
+            }
+            if i == 0
+                && let Some(e) = &extra
+            {
+                bytes.extend_from_slice(e);
+            }
+            prev = xxh3_64(&bytes);
+            out.push(BlockKey(prev));
+        }
+        out
+    }
+
+    proptest! {
+        /// A chain fed growing prefixes gives the formula's keys, and so does
+        /// `request_block_keys`, however the ids arrive, salted or not.
+        #[test]
+        fn chains_equal_the_formula_however_ids_arrive(
+            ids in prop::collection::vec(0u32..1000, 0..200),
+            cuts in prop::collection::vec(0usize..200, 0..8),
+            block in 0usize..9,
+            salt in prop::option::of("[a-z]{1,4}"),
+            vllm in any::<bool>(),
+        ) {
+            let style = if vllm { SaltStyle::VllmExtraKey } else { SaltStyle::Seed };
+            let want = naive_request_keys(salt.as_deref(), style, &ids, block);
+            let mut chain = KeyChain::new("m", salt.as_deref(), style, block);
+            let mut cuts = cuts;
+            cuts.push(ids.len());
+            cuts.sort_unstable();
+            let mut seen = 0;
+            for c in cuts {
+                let new = chain.advance(&ids[..c.min(ids.len())]);
+                prop_assert_eq!(new.start, seen);
+                prop_assert_eq!(&chain.keys()[..new.end], &want[..new.end]);
+                seen = new.end;
+            }
+            prop_assert_eq!(chain.keys(), &want[..]);
+            let whole = request_block_keys("m", salt.as_deref(), style, &ids, block);
+            prop_assert_eq!(whole, want);
+        }
+    }
 
     #[test]
     fn salted_vllm_keys_mix_the_salt_into_the_first_block_only() {

@@ -31,6 +31,6 @@ pub mod tier;
 pub use engine::{EngineEvent, EngineHash, EventBatch};
 pub use envelope::{Envelope, Source};
 pub use event::KvEvent;
-pub use key::{BlockKey, KeyHasher, KeySeed};
+pub use key::{BlockKey, KeyChain, KeyHasher, KeySeed};
 pub use normalize::{Normalizer, NormalizerConfig};
 pub use tier::Tier;

@@ -122,35 +122,76 @@ pub(crate) fn key_of(segment: &str) -> (u64, usize) {
 /// Byte offsets at which `text` may be cut: before each occurrence of a split-safe token
 /// (never 0).
 ///
-/// Linear in the text: a position is tested against the tokens only when its byte can start
-/// one (special tokens start with a handful of bytes, usually `<`), so a 100 KB prompt costs a
-/// table lookup per byte rather than a comparison per byte and token.
+/// Linear in the text: only positions whose byte can start a token are tested against the
+/// tokens. Special tokens start with a handful of bytes (usually just `<`), so those positions
+/// are found with `memchr` (a vectorised scan) when there are at most three such bytes, and
+/// with a per-byte table lookup otherwise.
 pub(crate) fn cut_points(text: &str, tokens: &[String]) -> Vec<usize> {
-    let mut starts = [false; 256];
-    for t in tokens {
-        if let Some(b) = t.as_bytes().first()
-            && let Some(slot) = starts.get_mut(usize::from(*b))
-        {
-            *slot = true;
-        }
-    }
-    let mut cuts = Vec::new();
+    let mut firsts: Vec<u8> = tokens
+        .iter()
+        .filter_map(|t| t.as_bytes().first().copied())
+        .collect();
+    firsts.sort_unstable();
+    firsts.dedup();
     let bytes = text.as_bytes();
-    for (i, b) in bytes.iter().enumerate().skip(1) {
-        if !starts.get(usize::from(*b)).copied().unwrap_or(false) {
-            continue;
-        }
-        let rest = bytes.get(i..).unwrap_or_default();
-        if tokens.iter().any(|t| rest.starts_with(t.as_bytes())) && text.is_char_boundary(i) {
-            cuts.push(i);
+    let is_cut = |&i: &usize| {
+        i > 0
+            && bytes
+                .get(i..)
+                .is_some_and(|rest| tokens.iter().any(|t| rest.starts_with(t.as_bytes())))
+            && text.is_char_boundary(i)
+    };
+    match firsts[..] {
+        [] => Vec::new(),
+        [a] => memchr::memchr_iter(a, bytes).filter(is_cut).collect(),
+        [a, b] => memchr::memchr2_iter(a, b, bytes).filter(is_cut).collect(),
+        [a, b, c] => memchr::memchr3_iter(a, b, c, bytes)
+            .filter(is_cut)
+            .collect(),
+        _ => {
+            let mut starts = [false; 256];
+            for &f in &firsts {
+                if let Some(slot) = starts.get_mut(usize::from(f)) {
+                    *slot = true;
+                }
+            }
+            (0..bytes.len())
+                .filter(|&i| {
+                    bytes
+                        .get(i)
+                        .is_some_and(|&b| starts.get(usize::from(b)).copied().unwrap_or(false))
+                })
+                .filter(is_cut)
+                .collect()
         }
     }
-    cuts
 }
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
+    use proptest::prelude::*;
+
+    /// Every position tested against every token.
+    fn naive_cut_points(text: &str, tokens: &[String]) -> Vec<usize> {
+        (1..text.len())
+            .filter(|&i| text.is_char_boundary(i))
+            .filter(|&i| tokens.iter().any(|t| text[i..].starts_with(t.as_str())))
+            .collect()
+    }
+
+    proptest! {
+        /// The scan finds exactly the naive cuts, with one to five distinct first bytes.
+        #[test]
+        fn cut_points_equal_the_naive_scan(
+            text in "[<|>a{}éx ]{0,60}",
+            tokens in prop::collection::vec("[<{é|x][a|>}]{0,3}", 0..6),
+        ) {
+            let tokens: Vec<String> = tokens.into_iter().filter(|t| !t.is_empty()).collect();
+            prop_assert_eq!(cut_points(&text, &tokens), naive_cut_points(&text, &tokens));
+        }
+    }
 
     #[test]
     fn cuts_before_each_token_but_not_at_the_start() {

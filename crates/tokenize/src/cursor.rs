@@ -12,7 +12,8 @@
 //!
 //! Where chunks fall depends only on the segment's text, so a later turn of a conversation cuts
 //! its history where the earlier turn did, and with a [`SegmentCache`] finds every chunk the
-//! earlier turn tokenized.
+//! earlier turn tokenized. [`EncodeCursor::next_cached_into`] hands out a chunk only when the
+//! cache has it, so a caller can check, before a chunk is tokenized, whether it still wants it.
 
 use std::borrow::Cow;
 
@@ -54,6 +55,18 @@ pub struct EncodeCursor<'a> {
     chunk_bytes: usize,
     tokens: usize,
     outcome: CacheOutcome,
+    /// The next chunk of a chunked engine, once planned (by [`EncodeCursor::next_cached_into`]
+    /// finding it missing from the cache), so that encoding it does not plan it again.
+    planned: Option<Planned>,
+}
+
+/// A chunk of a chunked engine: where it ends, whether that ends its segment, and its cache
+/// key.
+#[derive(Debug, Clone, Copy)]
+struct Planned {
+    end: usize,
+    ends_segment: bool,
+    key: (u64, usize),
 }
 
 impl<'a> EncodeCursor<'a> {
@@ -82,7 +95,74 @@ impl<'a> EncodeCursor<'a> {
             chunk_bytes: chunk_bytes.max(1),
             tokens: 0,
             outcome: CacheOutcome::default(),
+            planned: None,
         }
+    }
+
+    /// Appends the next chunk's ids to `out` and returns how many, but only when the cache
+    /// holds them: `None`, with the cursor unmoved, when the next chunk would be tokenized,
+    /// when the engine does not cache (see [`crate::TextTokenizer::prompt_cursor`]), or once
+    /// the text is done. Lets a caller decide, before paying for tokenization, whether to go
+    /// on.
+    pub fn next_cached_into(&mut self, out: &mut Vec<u32>) -> Option<usize> {
+        if self.is_done() {
+            return None;
+        }
+        let (Engine::Chunked(hf), Some(cache)) = (&self.engine, self.cache) else {
+            return None;
+        };
+        let hf: &HfTokenizer = hf;
+        let plan = match self.planned {
+            Some(p) => p,
+            None => {
+                let p = self.plan(hf);
+                self.planned = Some(p);
+                p
+            }
+        };
+        let before = out.len();
+        if !cache.get(plan.key, out) {
+            return None;
+        }
+        let n = out.len() - before;
+        self.outcome.hit_bytes += plan.end - self.pos;
+        self.commit(plan);
+        self.tokens += n;
+        Some(n)
+    }
+
+    /// The next chunk of a chunked engine (see the module docs for where it ends).
+    fn plan(&self, hf: &HfTokenizer) -> Planned {
+        let start = self.pos;
+        let len = self.text.len();
+        let seg_end = self
+            .segment_ends
+            .get(self.segment)
+            .copied()
+            .unwrap_or(len)
+            .clamp(start, len);
+        let end = hf
+            .inner_cuts()
+            .next(&self.text, start.saturating_add(self.next_chunk), seg_end)
+            .unwrap_or(seg_end);
+        let chunk = self.text.get(start..end).unwrap_or_default();
+        Planned {
+            end,
+            ends_segment: end == seg_end,
+            key: cache::key_of(chunk),
+        }
+    }
+
+    /// Moves past a planned chunk.
+    fn commit(&mut self, plan: Planned) {
+        if plan.ends_segment {
+            self.segment += 1;
+            self.next_chunk = first_chunk(self.chunk_bytes);
+        } else {
+            self.next_chunk = self.next_chunk.saturating_mul(2).min(self.chunk_bytes);
+        }
+        self.pos = plan.end;
+        self.planned = None;
     }
 
     /// Appends the next chunk's ids to `out` and returns how many; `None` once the whole text
@@ -124,25 +204,13 @@ impl<'a> EncodeCursor<'a> {
                 self.pos = len;
             }
             Engine::Chunked(hf) => {
-                let seg_end = self
-                    .segment_ends
-                    .get(self.segment)
-                    .copied()
-                    .unwrap_or(len)
-                    .clamp(start, len);
-                let end = hf
-                    .inner_cuts()
-                    .next(&self.text, start.saturating_add(self.next_chunk), seg_end)
-                    .unwrap_or(seg_end);
-                if end == seg_end {
-                    self.segment += 1;
-                    self.next_chunk = first_chunk(self.chunk_bytes);
-                } else {
-                    self.next_chunk = self.next_chunk.saturating_mul(2).min(self.chunk_bytes);
-                }
-                self.pos = end;
-                let chunk = self.text.get(start..end).unwrap_or_default();
-                encode_chunk(hf, chunk, self.cache, &mut self.outcome, out)?;
+                let plan = match self.planned {
+                    Some(p) => p,
+                    None => self.plan(hf),
+                };
+                self.commit(plan);
+                let chunk = self.text.get(start..plan.end).unwrap_or_default();
+                encode_chunk(hf, chunk, plan.key, self.cache, &mut self.outcome, out)?;
             }
         }
         Ok(())
@@ -207,6 +275,7 @@ fn first_chunk(chunk_bytes: usize) -> usize {
 fn encode_chunk(
     hf: &HfTokenizer,
     chunk: &str,
+    key: (u64, usize),
     cache: Option<&SegmentCache>,
     outcome: &mut CacheOutcome,
     out: &mut Vec<u32>,
@@ -214,7 +283,6 @@ fn encode_chunk(
     if chunk.is_empty() {
         return Ok(());
     }
-    let key = cache::key_of(chunk);
     if let Some(c) = cache
         && c.get(key, out)
     {

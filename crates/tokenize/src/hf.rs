@@ -8,6 +8,7 @@ use serde_json::Value;
 use crate::config::{self, SPECIAL_TOKEN_NAMES};
 use crate::cuts::{self, InnerCuts};
 use crate::error::{LoadError, Result, TokenizeError};
+use crate::fast::FastPath;
 use crate::messages::ContentFormat;
 use crate::template::ChatTemplates;
 use crate::{ChatOptions, Limits};
@@ -32,6 +33,7 @@ pub struct HfTokenizer {
     inner_cuts: InnerCuts,
     prompt_additive: bool,
     clean_up_tokenization_spaces: bool,
+    fast: Option<FastPath>,
 }
 
 impl fmt::Debug for HfTokenizer {
@@ -84,11 +86,13 @@ impl HfTokenizer {
             inner_cuts: InnerCuts::None,
             prompt_additive: false,
             clean_up_tokenization_spaces: config.clean_up_tokenization_spaces,
+            fast: None,
         };
         this.words = this.find_words();
         this.split_tokens = this.find_split_tokens();
         this.inner_cuts = InnerCuts::detect(&this.tokenizer);
         this.prompt_additive = cuts::post_processor_adds_nothing(&this.tokenizer);
+        this.fast = FastPath::detect(&this.tokenizer);
         Ok(this)
     }
 
@@ -97,8 +101,18 @@ impl HfTokenizer {
         &self.dir
     }
 
-    /// Token ids of `text`.
+    /// Token ids of `text`: through the fast path when the tokenizer and the text qualify
+    /// (see `fast.rs`; special tokens added only when the post-processor adds none), else the
+    /// full pipeline.
     pub(crate) fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        if let Some(fast) = &self.fast
+            && (!add_special_tokens || self.prompt_additive)
+        {
+            let mut ids = Vec::with_capacity(text.len() / 3);
+            if fast.encode(self.tokenizer.get_model(), text, &mut ids)? {
+                return Ok(ids);
+            }
+        }
         let encoding = self
             .tokenizer
             .encode_fast(text, add_special_tokens)

@@ -37,6 +37,7 @@ mod config;
 mod cursor;
 mod cuts;
 mod error;
+mod fast;
 mod hf;
 mod messages;
 mod pyfmt;

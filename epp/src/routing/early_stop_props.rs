@@ -2,7 +2,8 @@
 //!
 //! For random index states (prefixes of the prompt's chain and stray keys of it, on random
 //! endpoints and tiers, some speculated), random chunkings of the keys and random loads and
-//! in-flight work, the scheduler's decision over the keys [`may_extend`] stopped at (with the
+//! in-flight work, the scheduler's decision over the keys [`StopRule`] stopped at, chunks found
+//! in the segment cache at random (they are keyed without a probe) (with the
 //! full block count given as `prompt_blocks`) equals its decision over every key, on an
 //! identical index with an identically seeded scheduler.
 #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
@@ -15,7 +16,7 @@ use scheduler::{
     SchedulerConfig,
 };
 
-use super::keys::may_extend;
+use super::keys::StopRule;
 
 #[derive(Debug, Clone)]
 struct State {
@@ -24,6 +25,8 @@ struct State {
     /// (endpoint, from, to, tier index, speculated): a run of the prompt's keys it holds.
     runs: Vec<(u32, usize, usize, usize, bool)>,
     chunks: Vec<usize>,
+    /// Whether each chunk (cycled with `chunks`) is in the segment cache.
+    cached: Vec<bool>,
     loads: Vec<(u32, u32, u32)>,
     inflight: Vec<(u32, u32)>,
     policy: usize,
@@ -44,6 +47,7 @@ fn state() -> impl Strategy<Value = State> {
             prop::collection::vec(any::<u64>(), len),
             runs,
             prop::collection::vec(1usize..9, 1..12),
+            prop::collection::vec(any::<bool>(), 1..12),
             loads,
             inflight,
             0usize..2,
@@ -51,16 +55,19 @@ fn state() -> impl Strategy<Value = State> {
             any::<u64>(),
         )
             .prop_map(
-                |(endpoints, raw, runs, chunks, loads, inflight, policy, prefill, seed)| State {
-                    endpoints,
-                    prompt: raw.into_iter().map(BlockKey).collect(),
-                    runs,
-                    chunks,
-                    loads,
-                    inflight,
-                    policy,
-                    prefill,
-                    seed,
+                |(endpoints, raw, runs, chunks, cached, loads, inflight, policy, prefill, seed)| {
+                    State {
+                        endpoints,
+                        prompt: raw.into_iter().map(BlockKey).collect(),
+                        runs,
+                        chunks,
+                        cached,
+                        loads,
+                        inflight,
+                        policy,
+                        prefill,
+                        seed,
+                    }
                 },
             )
     })
@@ -129,7 +136,8 @@ fn world(s: &State) -> (KvIndex, Scheduler, InflightTracker, LoadBook, Vec<Endpo
     (index, scheduler, inflight, loads, endpoints)
 }
 
-/// How many keys early stopping computes: chunk by chunk, probing the newest key of each.
+/// How many keys early stopping computes: chunk by chunk, a chunk missing from the cache only
+/// after [`StopRule`] says go on.
 fn keys_computed(s: &State, index: &KvIndex, candidates: &[EndpointId]) -> usize {
     let mut held = |key: BlockKey| {
         index
@@ -137,16 +145,15 @@ fn keys_computed(s: &State, index: &KvIndex, candidates: &[EndpointId]) -> usize
             .iter()
             .any(|o| o.reach(Tier::Remote) > 0)
     };
+    let mut rule = StopRule::default();
     let mut n = 0;
-    let mut chunks = s.chunks.iter().cycle();
+    let mut chunks = s.chunks.iter().zip(s.cached.iter().cycle()).cycle();
     while n < s.prompt.len() {
-        let step = chunks.next().copied().unwrap_or(1);
-        let end = (n + step).min(s.prompt.len());
-        let new = n..end;
-        n = end;
-        if !may_extend(&s.prompt, new, &mut held) {
+        let (step, cached) = chunks.next().map_or((1, false), |(&c, &h)| (c, h));
+        if !cached && !rule.may_tokenize(&s.prompt[..n], &mut held) {
             break;
         }
+        n = (n + step).min(s.prompt.len());
     }
     n
 }

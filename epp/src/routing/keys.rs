@@ -8,19 +8,20 @@
 //! # Stopping at the first miss
 //!
 //! Text prompts and chats are tokenized chunk by chunk ([`tokenize::EncodeCursor`]), and each
-//! chunk's new block keys are derived at once ([`KeyChain`]). After each chunk the caller's
-//! probe is asked whether any endpoint holds the newest key; when none does, no endpoint's
-//! prefix match can reach past it, so the rest of the prompt cannot change any endpoint's
-//! overlap, and keying stops ([`may_extend`]). The prompt's token and block counts are then
+//! chunk's new block keys are derived at once ([`KeyChain`]). Chunks the segment cache holds are
+//! keyed without further ado; before a chunk would be tokenized, the caller's probe is asked
+//! whether any endpoint holds the newest key. When none does, no endpoint's prefix match can
+//! reach past it, so the rest of the prompt cannot change any endpoint's overlap, and keying
+//! stops ([`StopRule`]). The prompt's token and block counts are then
 //! estimates (tokens so far plus the remaining bytes at the rate so far), flagged by
 //! [`Keyed::stopped_early`].
 
 use std::collections::HashMap;
-use std::ops::Range;
 use std::sync::Arc;
 
-use kv_events::key::{KeyHasher, SaltStyle, vllm_salt_extra_key};
-use kv_events::{BlockKey, KeySeed};
+use kv_events::BlockKey;
+pub use kv_events::key::KeyChain;
+use kv_events::key::SaltStyle;
 use tokenize::{CacheOutcome, EncodeCursor, SegmentCache, TextTokenizer, TokenizeError};
 
 use super::finish::{FinishConfig, FinishStats, Finisher};
@@ -89,84 +90,35 @@ pub struct Keyed {
     pub cache: CacheOutcome,
 }
 
-/// Block keys derived as a prompt's token ids arrive: the same keys as
-/// [`kv_events::key::request_block_keys`] over the ids seen so far.
-#[derive(Debug)]
-pub struct KeyChain {
-    seed: KeySeed,
-    first_extra: Option<Vec<u8>>,
-    block_size: usize,
-    hasher: KeyHasher,
-    keys: Vec<BlockKey>,
+/// The early-stop rule: whether to tokenize the next chunk of a prompt whose keys so far are
+/// `keys`. Chunks found in the segment cache cost a lookup, so they are keyed without asking;
+/// before a chunk would be tokenized, `held` is asked whether some endpoint holds the newest key.
+/// When none holds key `j`, every endpoint's matched prefix ends at or before `j`, so keys past
+/// it change no endpoint's overlap and the chunk is not worth tokenizing. With no keys yet, or
+/// the same newest key as the last question, no new question is asked.
+#[derive(Debug, Default)]
+pub struct StopRule {
+    last: Option<(BlockKey, bool)>,
 }
 
-impl KeyChain {
-    /// A chain for `model_or_lora` with the request's `cache_salt` folded in `style`.
-    pub fn new(
-        model_or_lora: &str,
-        cache_salt: Option<&str>,
-        style: SaltStyle,
-        block_size: usize,
-    ) -> Self {
-        let (seed, first_extra) = match (cache_salt, style) {
-            (Some(salt), SaltStyle::VllmExtraKey) => (
-                KeySeed::new(model_or_lora, None),
-                Some(vllm_salt_extra_key(salt)),
-            ),
-            (salt, _) => (KeySeed::new(model_or_lora, salt), None),
+impl StopRule {
+    /// Whether the next chunk is worth tokenizing (see the type's docs).
+    pub fn may_tokenize(
+        &mut self,
+        keys: &[BlockKey],
+        held: &mut dyn FnMut(BlockKey) -> bool,
+    ) -> bool {
+        let Some(&newest) = keys.last() else {
+            return true;
         };
-        Self {
-            seed,
-            first_extra,
-            block_size,
-            hasher: KeyHasher::new(),
-            keys: Vec::new(),
+        match self.last {
+            Some((k, answer)) if k == newest => answer,
+            _ => {
+                let answer = held(newest);
+                self.last = Some((newest, answer));
+                answer
+            }
         }
-    }
-
-    /// Keys every full block of `ids` (the prompt's ids so far, a longer prefix on each call)
-    /// not keyed yet; returns the indices of the new keys.
-    pub fn advance(&mut self, ids: &[u32]) -> Range<usize> {
-        let start = self.keys.len();
-        if self.block_size == 0 {
-            return start..start;
-        }
-        let from = start.saturating_mul(self.block_size);
-        let rest = ids.get(from..).unwrap_or_default();
-        for block in rest.chunks_exact(self.block_size) {
-            let (prev, extra) = match self.keys.last() {
-                Some(k) => (k.0, None),
-                None => (self.seed.0, self.first_extra.as_deref()),
-            };
-            let key = self.hasher.next(prev, block, extra);
-            self.keys.push(key);
-        }
-        start..self.keys.len()
-    }
-
-    /// The keys so far.
-    pub fn keys(&self) -> &[BlockKey] {
-        &self.keys
-    }
-
-    /// The keys, consuming the chain.
-    pub fn into_keys(self) -> Vec<BlockKey> {
-        self.keys
-    }
-}
-
-/// Whether keying must go on after the keys `new` were added to `keys`: true when none were
-/// added, else whether `held` says some endpoint holds the newest. When no endpoint holds key
-/// `j`, every endpoint's matched prefix ends at or before `j`, so keys past it change no
-/// endpoint's overlap.
-pub fn may_extend(
-    keys: &[BlockKey],
-    new: Range<usize>,
-    held: &mut dyn FnMut(BlockKey) -> bool,
-) -> bool {
-    match new.end.checked_sub(1).filter(|_| !new.is_empty()) {
-        Some(last) => keys.get(last).is_none_or(|&k| held(k)),
-        None => true,
     }
 }
 
@@ -315,7 +267,7 @@ impl Keyer {
         })
     }
 
-    /// Drives `cursor` until the prompt ends or [`may_extend`] says stop; returns the (estimated)
+    /// Drives `cursor` until the prompt ends or [`StopRule`] says stop; returns the (estimated)
     /// token count, the ids computed, whether it stopped early, and the cache use.
     fn key_cursor(
         &self,
@@ -326,10 +278,13 @@ impl Keyer {
     ) -> Result<(usize, usize, bool, CacheOutcome), TokenizeError> {
         // Most prompts stop after their first chunks: size for a few, grow if the prompt is held.
         let mut ids = Vec::with_capacity(cursor.text().len().min(4 * self.chunk_bytes) / 3);
-        while let Some(n) = cursor.next_into(&mut ids) {
-            n?;
-            let new = chain.advance(&ids);
-            if !may_extend(chain.keys(), new, held) && !cursor.is_done() {
+        let mut rule = StopRule::default();
+        while !cursor.is_done() {
+            if cursor.next_cached_into(&mut ids).is_some() {
+                chain.advance(&ids);
+                continue;
+            }
+            if !rule.may_tokenize(chain.keys(), held) {
                 let estimate = cursor.estimated_tokens();
                 let outcome = cursor.outcome();
                 if let Some(f) = &self.finisher
@@ -338,6 +293,13 @@ impl Keyer {
                     f.submit(Arc::clone(model), cursor, chat, self.chunk_bytes);
                 }
                 return Ok((estimate, ids.len(), true, outcome));
+            }
+            match cursor.next_into(&mut ids) {
+                Some(n) => {
+                    n?;
+                    chain.advance(&ids);
+                }
+                None => break,
             }
         }
         Ok((ids.len(), ids.len(), false, cursor.outcome()))
@@ -349,8 +311,38 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::super::request::{Api, parse};
     use super::*;
-    use kv_events::key::request_block_keys;
     use proptest::prelude::*;
+
+    proptest! {
+        /// The rule answers as "nothing keyed, or the newest key is held" on every call, and
+        /// asks the probe only when the newest key changed.
+        #[test]
+        fn stop_rule_equals_asking_every_time(
+            steps in prop::collection::vec(0usize..4, 0..30),
+            held_keys in prop::collection::hash_set(0u64..40, 0..40),
+        ) {
+            let all: Vec<BlockKey> = (0..40).map(BlockKey).collect();
+            let mut rule = StopRule::default();
+            let mut n = 0;
+            let mut asked_for: Option<BlockKey> = None;
+            for step in steps {
+                n = (n + step).min(all.len());
+                let keys = &all[..n];
+                let mut asked = 0;
+                let got = rule.may_tokenize(keys, &mut |k| {
+                    asked += 1;
+                    held_keys.contains(&k.0)
+                });
+                let want = keys.last().is_none_or(|k| held_keys.contains(&k.0));
+                prop_assert_eq!(got, want);
+                let fresh = keys.last().is_some() && keys.last().copied() != asked_for;
+                prop_assert_eq!(asked, usize::from(fresh));
+                if fresh {
+                    asked_for = keys.last().copied();
+                }
+            }
+        }
+    }
 
     #[test]
     fn fallback_keys_equal_the_sims_byte_tokenizer_keys() {
@@ -461,32 +453,5 @@ mod tests {
         assert!(!full.stopped_early);
         assert_eq!(full.cache.miss_bytes, 0, "{:?}", full.cache);
         assert_eq!(full.keys[..stopped.keys.len()], stopped.keys[..]);
-    }
-
-    proptest! {
-        /// The chain equals `request_block_keys` however the ids arrive, salted or not.
-        #[test]
-        fn chain_equals_whole_prompt_keys(
-            ids in prop::collection::vec(0u32..1000, 0..200),
-            cuts in prop::collection::vec(0usize..200, 0..8),
-            block in 0usize..9,
-            salt in prop::option::of("[a-z]{1,4}"),
-            vllm in any::<bool>(),
-        ) {
-            let style = if vllm { SaltStyle::VllmExtraKey } else { SaltStyle::Seed };
-            let mut chain = KeyChain::new("m", salt.as_deref(), style, block);
-            let mut cuts = cuts;
-            cuts.push(ids.len());
-            cuts.sort_unstable();
-            let mut seen = 0;
-            for c in cuts {
-                let c = c.min(ids.len());
-                let new = chain.advance(&ids[..c]);
-                prop_assert_eq!(new.start, seen);
-                seen = new.end;
-            }
-            let want = request_block_keys("m", salt.as_deref(), style, &ids, block);
-            prop_assert_eq!(chain.keys(), &want[..]);
-        }
     }
 }

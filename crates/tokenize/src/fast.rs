@@ -1,0 +1,333 @@
+//! A faster encoder for ASCII text with the Qwen2/Qwen3 and GPT-4 (cl100k) tokenizer family,
+//! giving exactly the ids of the Hugging Face pipeline.
+//!
+//! The `tokenizers` pipeline builds, for every piece of text, a normalized string with per-byte
+//! alignments, then an `Encoding` with offsets, words and masks; at about a microsecond a token
+//! that bookkeeping, not the BPE merges, is most of the cost. For the family `cuts.rs` detects
+//! (`Split(P, Isolated)` + `ByteLevel(use_regex = false)`, BPE without dropout, no normalizer or
+//! NFC, no truncation or padding), and for text that is ASCII and holds no added token, the
+//! pipeline reduces to:
+//!
+//! - normalization: NFC leaves ASCII unchanged;
+//! - added tokens: none occurs, so the text is one split;
+//! - the split pattern `P` (see [`crate::cuts::KNOWN_SPLIT_PATTERNS`]): on ASCII its classes are
+//!   `\p{L}` = letters, `\p{N}` = digits and `\s` = `[\t\n\x0B\x0C\r ]`, and [`piece_end`]
+//!   follows its alternatives in order with the regex's backtracking, piece by piece;
+//! - `ByteLevel`: each byte becomes its GPT-2 character;
+//! - the model: BPE on each piece alone, through the model's own `tokenize` (its merges and
+//!   cache).
+//!
+//! Other text (non-ASCII, or with an added token's content) goes through the full pipeline.
+//! The property test below checks the ids against the full pipeline's on random text (letters,
+//! digits, every ASCII whitespace, punctuation, contractions, special tokens, non-ASCII) with
+//! the real Qwen3 tokenizer.
+
+use tokenizers::Model;
+use tokenizers::models::ModelWrapper;
+
+use crate::cuts::{InnerCuts, KNOWN_SPLIT_PATTERNS};
+use crate::error::{Result, TokenizeError};
+
+/// The fast path for one loaded tokenizer.
+#[derive(Debug, Clone)]
+pub(crate) struct FastPath {
+    /// Digits per number piece: 1 for Qwen's `\p{N}`, 3 for cl100k's `\p{N}{1,3}`.
+    digits: usize,
+    /// GPT-2's byte → character map of `ByteLevel`.
+    byte_chars: [char; 256],
+    /// Every added token's content.
+    added: Vec<String>,
+    /// Bytes an added token starts with.
+    added_firsts: [bool; 256],
+}
+
+impl FastPath {
+    /// The fast path for `tok`, when it belongs to the family (see the module docs).
+    pub(crate) fn detect(tok: &tokenizers::Tokenizer) -> Option<Self> {
+        if InnerCuts::detect(tok) != InnerCuts::WordSpace {
+            return None;
+        }
+        let pattern = tok
+            .get_pre_tokenizer()
+            .and_then(|p| serde_json::to_value(p).ok())
+            .and_then(|v| {
+                let p = v
+                    .get("pretokenizers")?
+                    .get(0)?
+                    .get("pattern")?
+                    .get("Regex")?;
+                p.as_str().map(str::to_owned)
+            })?;
+        let digits = match KNOWN_SPLIT_PATTERNS.iter().position(|p| *p == pattern)? {
+            0 => 1,
+            _ => 3,
+        };
+        let added: Vec<String> = tok
+            .get_added_tokens_decoder()
+            .values()
+            .map(|t| t.content.clone())
+            .filter(|c| !c.is_empty())
+            .collect();
+        let mut added_firsts = [false; 256];
+        for t in &added {
+            if let Some(slot) = t
+                .as_bytes()
+                .first()
+                .and_then(|&b| added_firsts.get_mut(usize::from(b)))
+            {
+                *slot = true;
+            }
+        }
+        Some(Self {
+            digits,
+            byte_chars: byte_chars(),
+            added,
+            added_firsts,
+        })
+    }
+
+    /// Whether `text` may take the fast path: ASCII, and no added token occurs in it.
+    fn eligible(&self, text: &str) -> bool {
+        let bytes = text.as_bytes();
+        bytes.is_ascii()
+            && !bytes.iter().enumerate().any(|(i, &b)| {
+                self.added_firsts
+                    .get(usize::from(b))
+                    .copied()
+                    .unwrap_or(false)
+                    && bytes.get(i..).is_some_and(|rest| {
+                        self.added.iter().any(|t| rest.starts_with(t.as_bytes()))
+                    })
+            })
+    }
+
+    /// Appends the ids of `text` to `out` and returns true, or returns false (and appends
+    /// nothing) when the text does not qualify (see the module docs).
+    pub(crate) fn encode(
+        &self,
+        model: &ModelWrapper,
+        text: &str,
+        out: &mut Vec<u32>,
+    ) -> Result<bool> {
+        if !self.eligible(text) {
+            return Ok(false);
+        }
+        let bytes = text.as_bytes();
+        let before = out.len();
+        let mut piece = String::new();
+        let mut i = 0;
+        while i < bytes.len() {
+            let end = piece_end(bytes, i, self.digits);
+            piece.clear();
+            for &b in bytes.get(i..end).unwrap_or_default() {
+                piece.push(self.byte_chars.get(usize::from(b)).copied().unwrap_or('?'));
+            }
+            match model.tokenize(&piece) {
+                Ok(tokens) => out.extend(tokens.iter().map(|t| t.id)),
+                Err(source) => {
+                    out.truncate(before);
+                    return Err(TokenizeError::Encode { source });
+                }
+            }
+            i = end.max(i + 1);
+        }
+        Ok(true)
+    }
+}
+
+fn is_ws(b: u8) -> bool {
+    matches!(b, b'\t' | b'\n' | 0x0B | 0x0C | b'\r' | b' ')
+}
+
+fn is_crlf(b: u8) -> bool {
+    matches!(b, b'\r' | b'\n')
+}
+
+/// Neither whitespace, letter nor digit: `[^\s\p{L}\p{N}]` on ASCII.
+fn is_punct(b: u8) -> bool {
+    !is_ws(b) && !b.is_ascii_alphanumeric()
+}
+
+/// The end of the first run of bytes satisfying `f` from `i`.
+fn run_end(bytes: &[u8], i: usize, f: impl Fn(u8) -> bool) -> usize {
+    let len = bytes
+        .get(i..)
+        .map_or(0, |rest| rest.iter().take_while(|&&b| f(b)).count());
+    i + len
+}
+
+/// Where the split pattern's match starting at `i` ends, on ASCII `bytes` (`i < bytes.len()`):
+/// its alternatives in order, each with the regex's backtracking (see the module docs).
+pub(crate) fn piece_end(bytes: &[u8], i: usize, digits: usize) -> usize {
+    let Some(&c) = bytes.get(i) else {
+        return i;
+    };
+    let at = |k: usize| bytes.get(k).copied();
+    // (?i:'s|'t|'re|'ve|'m|'ll|'d)
+    if c == b'\'' {
+        let d = at(i + 1).map(|b| b.to_ascii_lowercase());
+        let e = at(i + 2).map(|b| b.to_ascii_lowercase());
+        match (d, e) {
+            (Some(b's' | b't' | b'm' | b'd'), _) => return i + 2,
+            (Some(b'r' | b'v'), Some(b'e')) | (Some(b'l'), Some(b'l')) => return i + 3,
+            _ => {}
+        }
+    }
+    // [^\r\n\p{L}\p{N}]?\p{L}+
+    if !is_crlf(c)
+        && !c.is_ascii_alphanumeric()
+        && at(i + 1).is_some_and(|b| b.is_ascii_alphabetic())
+    {
+        return run_end(bytes, i + 1, |b| b.is_ascii_alphabetic());
+    }
+    if c.is_ascii_alphabetic() {
+        return run_end(bytes, i, |b| b.is_ascii_alphabetic());
+    }
+    // \p{N} (Qwen) or \p{N}{1,3} (cl100k)
+    if c.is_ascii_digit() {
+        return i
+            + 1
+            + bytes.get(i + 1..).map_or(0, |rest| {
+                rest.iter()
+                    .take(digits.saturating_sub(1))
+                    .take_while(|b| b.is_ascii_digit())
+                    .count()
+            });
+    }
+    // ` ?[^\s\p{L}\p{N}]+[\r\n]*`
+    let start = if c == b' ' && at(i + 1).is_some_and(is_punct) {
+        i + 1
+    } else {
+        i
+    };
+    if at(start).is_some_and(is_punct) {
+        let end = run_end(bytes, start, is_punct);
+        return run_end(bytes, end, is_crlf);
+    }
+    // Whitespace from here on: the run is [i, j).
+    let j = run_end(bytes, i, is_ws);
+    // \s*[\r\n]+ ends after the run's last line break.
+    if let Some(p) = (i..j).rev().find(|&k| at(k).is_some_and(is_crlf)) {
+        return p + 1;
+    }
+    // \s+(?!\S): the whole run at the end of the text, else all but its last byte.
+    if j == bytes.len() {
+        return j;
+    }
+    if j - i >= 2 {
+        return j - 1;
+    }
+    // \s+
+    j.max(i + 1)
+}
+
+/// GPT-2's `bytes_to_unicode`: printable Latin-1 bytes map to themselves, the others to
+/// U+0100 onwards, in byte order.
+fn byte_chars() -> [char; 256] {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut out = ['\0'; 256];
+    let mut next = 256u32;
+    for (b, slot) in (0..=255u8).zip(out.iter_mut()) {
+        *slot = if printable(b) {
+            char::from(b)
+        } else {
+            let c = char::from_u32(next).unwrap_or('?');
+            next += 1;
+            c
+        };
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+    use super::*;
+    use proptest::strategy::Strategy;
+
+    fn pieces(text: &str, digits: usize) -> Vec<&str> {
+        let b = text.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            let e = piece_end(b, i, digits);
+            out.push(&text[i..e]);
+            i = e;
+        }
+        out
+    }
+
+    #[test]
+    fn pieces_follow_the_pattern() {
+        assert_eq!(
+            pieces("Hello world's  end 12345 ok?!\n\n  x \t.y", 1),
+            vec![
+                "Hello", " world", "'s", " ", " end", " ", "1", "2", "3", "4", "5", " ok",
+                "?!\n\n", " ", " x", " ", "\t", ".y"
+            ]
+        );
+        assert_eq!(pieces("a 12345", 3), vec!["a", " ", "123", "45"]);
+        assert_eq!(pieces("x  \n \n  y", 1), vec!["x", "  \n \n", " ", " y"]);
+        assert_eq!(pieces("end   ", 1), vec!["end", "   "]);
+        assert_eq!(pieces("'RE'Ll'q", 1), vec!["'RE", "'Ll", "'q"]);
+    }
+
+    /// The real Qwen3 tokenizer and its fast path, loaded once.
+    fn qwen3() -> Option<&'static (tokenizers::Tokenizer, FastPath)> {
+        static TOK: std::sync::OnceLock<Option<(tokenizers::Tokenizer, FastPath)>> =
+            std::sync::OnceLock::new();
+        TOK.get_or_init(|| {
+            let file = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../.cache/tokenizers/qwen3/package/models/tokenizer.json");
+            let tok = tokenizers::Tokenizer::from_file(&file).ok()?;
+            let fast = FastPath::detect(&tok).unwrap();
+            Some((tok, fast))
+        })
+        .as_ref()
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(1000))]
+        /// The fast path gives the full pipeline's ids, or declines (non-ASCII, added tokens).
+        #[test]
+        fn fast_ids_equal_the_pipelines(
+            parts in proptest::collection::vec(
+                proptest::prop_oneof![
+                    "[a-zA-Z]{1,8}",
+                    "[0-9]{1,6}",
+                    "[ \t\n\r\x0B\x0C]{1,4}",
+                    "[!-/:-@\\[-`{-~]{1,4}",
+                    "'(s|t|re|ve|m|ll|d|S|T|RE|Ve|M|LL|D|x)",
+                    "[\x00-\x1F\x7F]",
+                    proptest::sample::select(vec![
+                        "<|im_end|>", "<think>", "</think>", "<|endoftext|>", "é", "日本", "  ",
+                    ]).prop_map(str::to_owned),
+                ],
+                0..40,
+            ),
+        ) {
+            let Some((tok, fast)) = qwen3() else {
+                return Ok(());
+            };
+            let text: String = parts.concat();
+            let want = tok.encode_fast(text.as_str(), false).unwrap().get_ids().to_vec();
+            let mut got = Vec::new();
+            if fast.encode(tok.get_model(), &text, &mut got).unwrap() {
+                proptest::prop_assert_eq!(got, want, "{:?}", text);
+            } else {
+                proptest::prop_assert!(got.is_empty());
+                proptest::prop_assert!(!text.is_ascii() || text.contains('<'), "{:?}", text);
+            }
+        }
+    }
+
+    #[test]
+    fn byte_chars_are_gpt2s() {
+        let m = byte_chars();
+        assert_eq!(m[usize::from(b'a')], 'a');
+        assert_eq!(m[usize::from(b' ')], 'Ġ');
+        assert_eq!(m[usize::from(b'\n')], 'Ċ');
+        assert_eq!(m[usize::from(b'\t')], 'ĉ');
+        assert_eq!(m[0], 'Ā');
+    }
+}
