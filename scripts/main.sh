@@ -10,8 +10,10 @@
 #      live vs discrete-event results on a small case (e2e/bench/live_vs_replay.sh);
 #   3. the routing benchmark in virtual time: `kvgate-bench replay` of seed 001's workload on
 #      three H200 engines for every policy at concurrency 60-180 (the seed's round-robin columns
-#      are its fidelity check, docs/benchmarks.md), then the Mooncake trace's first 10 minutes on
-#      16 engines; tables on stdout, plots under $KVGATE_MAIN_OUT (default /tmp/kvgate-main);
+#      are its fidelity check, docs/benchmarks.md), then the Mooncake hour on 16 engines at the
+#      load where round-robin's p90 TTFT is 2 s, against the peer routers' cache-aware policy
+#      (a model, `sglang-cache-aware`), and the trace's first 10 minutes with prefix-only; tables
+#      on stdout, plots under $KVGATE_MAIN_OUT (default /tmp/kvgate-main);
 #   4. the simulator's throughput benchmark (e2e/bench/sim_throughput.sh, needs wrk);
 #   5. Envoy direct vs Envoy+EPP latency and EPP CPU per request (e2e/bench/envoy_overhead.sh);
 #   6. the EPP decision cost at 8k tokens (cargo bench -p kvgate-epp --bench decision -- 8k);
@@ -46,6 +48,9 @@ echo "== discrete-event replay: seed 001's workload, every policy (plots in $out
   --policy round-robin,kv,prefix-only,least-load,random --concurrency 60,80,100,120,140,160,180 \
   --request-latency-ms 200 --think-ms 3000 --out "$out/replay-doks.jsonl"
 "$bench" report --in "$out/replay-doks.jsonl" --out "$out/replay-doks" --warmup 60 > /dev/null
+echo "== discrete-event replay: the Mooncake hour on 16 engines at 3.15x (round-robin's p90 ~2 s)"
+"$bench" replay --workload mooncake --engines 16 --preset small \
+  --policy round-robin,kv,sglang-cache-aware --speedup 3.15 --out "$out/replay-mooncake-hour.jsonl"
 echo "== discrete-event replay: the Mooncake trace's first 10 minutes on 16 engines at 2.5x"
 "$bench" replay --workload mooncake --engines 16 --preset small --policy round-robin,kv,prefix-only \
   --speedup 2.5 --trace-seconds 600 --out "$out/replay-mooncake.jsonl"
