@@ -157,36 +157,26 @@ impl RunLog {
         &self,
         pos: u32,
         keys: &[kv_events::BlockKey],
-        mut f: impl FnMut(usize, Bits) -> bool,
+        f: impl FnMut(usize, Bits) -> bool,
     ) -> usize {
-        let start = pos as usize + 1;
-        let (Some(log), Some(states)) = (self.keys.get(start..), self.states.get(start..)) else {
-            return 0;
-        };
-        let mut n = 0;
-        for (((&k, s), q), j) in log.iter().zip(states).zip(keys).zip(0..) {
-            if k != q.0 {
-                break;
-            }
-            let st = s.load(Relaxed);
-            if st & STATE == 0 {
-                break;
-            }
-            if st & REF == 0 {
-                s.fetch_or(REF, Relaxed);
-            }
-            n += 1;
-            if !f(j, st & STATE) {
-                break;
-            }
-        }
-        n
+        self.walk_run::<false>(pos, keys, f)
     }
 
     /// [`RunLog::walk`], calling `f(j, bits)` only for the first key and for each key whose
     /// state differs from the previous key's (a lookup skips a key whose holders equal the
     /// previous key's anyway, and a run's blocks mostly share one state).
     pub(crate) fn walk_changes(
+        &self,
+        pos: u32,
+        keys: &[kv_events::BlockKey],
+        f: impl FnMut(usize, Bits) -> bool,
+    ) -> usize {
+        self.walk_run::<true>(pos, keys, f)
+    }
+
+    /// The walk of [`RunLog::walk`] and [`RunLog::walk_changes`]: with `CHANGES`, `f` sees only
+    /// state changes. Every covered entry gets its lookup mark.
+    fn walk_run<const CHANGES: bool>(
         &self,
         pos: u32,
         keys: &[kv_events::BlockKey],
@@ -207,7 +197,7 @@ impl RunLog {
                 s.fetch_or(REF, Relaxed);
             }
             n += 1;
-            if st & STATE != prev {
+            if !CHANGES || st & STATE != prev {
                 prev = st & STATE;
                 if !f(n - 1, prev) {
                     break;
