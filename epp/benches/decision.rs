@@ -203,15 +203,7 @@ impl Bench {
     /// it computed, which stop at the first block no endpoint held).
     fn serve(&self, body: &[u8]) {
         use kvgate_epp::routing::request::{Api, parse};
-        let input = RoutingInput {
-            method: "POST",
-            path: "/v1/chat/completions",
-            headers: &[],
-            body: Some(body),
-            subset: None,
-            request_id: None,
-        };
-        let d = self.picker.route(input).expect("routed");
+        let d = self.picker.route(chat_input(body)).expect("routed");
         self.picker.on_response(d.ticket, ResponseEvent::End);
         // The engine takes far longer to serve it than the picker to finish tokenizing it.
         self.picker.keyer().wait_idle();
@@ -311,15 +303,20 @@ struct Took {
     cpu: Duration,
 }
 
-fn route(picker: &Picker, body: &[u8]) -> Took {
-    let input = RoutingInput {
+/// A chat completion request with `body`, as the ext_proc stream hands it to the picker.
+fn chat_input(body: &[u8]) -> RoutingInput<'_> {
+    RoutingInput {
         method: "POST",
         path: "/v1/chat/completions",
         headers: &[],
         body: Some(body),
         subset: None,
         request_id: None,
-    };
+    }
+}
+
+fn route(picker: &Picker, body: &[u8]) -> Took {
+    let input = chat_input(body);
     let c = thread_cpu();
     let t = Instant::now();
     let d = picker.route(input).expect("routed");
