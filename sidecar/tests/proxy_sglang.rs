@@ -158,16 +158,7 @@ fn sglang_pd_between_two_sims_streams_and_answers() {
     let r = p
         .sidecar
         .post("/v1/chat/completions", &[(PREFILLER, &prefill_addr)], &chat);
-    assert_eq!(r.status, 200, "{}", r.text());
-    let v = r.json();
-    assert_eq!(v["object"], "chat.completion");
-    assert_eq!(v["usage"]["completion_tokens"], 5);
-    assert!(
-        v["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap()
-            > 0
-    );
+    r.assert_pd_chat(5);
     let (ps, ds) = (seen(&p.prefill), seen(&p.decode));
     assert_eq!(ps.len(), 2);
     assert_eq!(ps, ds);

@@ -136,16 +136,7 @@ fn pd_flow_end_to_end_between_two_sims() {
         &[(PREFILLER, &prefill.addr())],
         &chat,
     );
-    assert_eq!(r.status, 200, "{}", r.text());
-    let v = r.json();
-    assert_eq!(v["object"], "chat.completion");
-    assert_eq!(v["usage"]["completion_tokens"], 5);
-    assert!(
-        v["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap()
-            > 0
-    );
+    r.assert_pd_chat(5);
     assert_eq!(prefill.metric("vllm:generation_tokens_total"), 2.0);
     assert_eq!(
         sidecar.metric_where(

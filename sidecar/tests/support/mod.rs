@@ -249,6 +249,22 @@ impl Response {
         serde_json::from_slice(&self.body)
             .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
     }
+    /// Checks a disaggregated, non-streaming chat answer: 200, a `chat.completion` with
+    /// `completion_tokens` tokens whose prompt the decode engine found cached (the KV the
+    /// prefill leg moved). Returns the body.
+    pub fn assert_pd_chat(&self, completion_tokens: u64) -> serde_json::Value {
+        assert_eq!(self.status, 200, "{}", self.text());
+        let v = self.json();
+        assert_eq!(v["object"], "chat.completion");
+        assert_eq!(v["usage"]["completion_tokens"], completion_tokens);
+        assert!(
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+                > 0
+        );
+        v
+    }
     /// The `data:` payloads of an SSE body.
     pub fn sse(&self) -> Vec<String> {
         self.text()
