@@ -14,6 +14,13 @@
 //! its history where the earlier turn did, and with a [`SegmentCache`] finds every chunk the
 //! earlier turn tokenized. [`EncodeCursor::next_cached_into`] hands out a chunk only when the
 //! cache has it, so a caller can check, before a chunk is tokenized, whether it still wants it.
+//!
+//! Whole segments: a segment that is cut into several chunks and is not the text's last (a chat
+//! message, not a completions prompt still growing) is also cached whole once all its chunks
+//! have been handed out, and at its start the cursor first looks the whole segment up. A
+//! resent history then costs one lookup per message instead of one per chunk. The whole
+//! segment's ids are its chunks' ids (tokenization is additive at the cuts), so the ids handed
+//! out are the same either way; only the chunking differs.
 
 use std::borrow::Cow;
 
@@ -25,6 +32,10 @@ use crate::hf::HfTokenizer;
 /// A chunk size that keeps per-call overhead small while bounding the text tokenized past the
 /// point where a caller stops: 1 KiB is about 250 tokens of English.
 pub const DEFAULT_CHUNK_BYTES: usize = 1024;
+
+/// Segments longer than this are never looked up or cached whole: hashing one that misses
+/// would cost more than its chunks' lookups save.
+const MAX_WHOLE_SEGMENT: usize = 1 << 20;
 
 /// How chunks are tokenized.
 #[derive(Debug)]
@@ -58,6 +69,22 @@ pub struct EncodeCursor<'a> {
     /// The next chunk of a chunked engine, once planned (by [`EncodeCursor::next_cached_into`]
     /// finding it missing from the cache), so that encoding it does not plan it again.
     planned: Option<Planned>,
+    /// The current segment as a whole (see the module docs).
+    whole: Whole,
+    /// The current segment's ids so far, while [`Whole::Collecting`].
+    segment_ids: Vec<u32>,
+}
+
+/// Where the cursor stands with the current segment as a whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Whole {
+    /// Not looked up yet: the cursor is at the segment's start.
+    Unchecked,
+    /// Missing from the cache: its chunks' ids are collected and cached whole under this key
+    /// once the segment ends.
+    Collecting((u64, usize)),
+    /// Not cached whole (one chunk, the text's last segment, too long, or no cache).
+    Off,
 }
 
 /// A chunk of a chunked engine: where it ends, whether that ends its segment, and its cache
@@ -96,6 +123,8 @@ impl<'a> EncodeCursor<'a> {
             tokens: 0,
             outcome: CacheOutcome::default(),
             planned: None,
+            whole: Whole::Unchecked,
+            segment_ids: Vec::new(),
         }
     }
 
@@ -112,35 +141,82 @@ impl<'a> EncodeCursor<'a> {
             return None;
         };
         let hf: &HfTokenizer = hf;
+        let before = out.len();
         let plan = match self.planned {
             Some(p) => p,
             None => {
                 let p = self.plan(hf);
                 self.planned = Some(p);
+                if self.whole_hit(cache, p, out) {
+                    let n = out.len() - before;
+                    self.tokens += n;
+                    return Some(n);
+                }
                 p
             }
         };
-        let before = out.len();
         if !cache.get(plan.key, out) {
             return None;
         }
         let n = out.len() - before;
         self.outcome.hit_bytes += plan.end - self.pos;
-        self.commit(plan);
+        self.collect(out.get(before..).unwrap_or_default());
+        self.commit(plan, Some(cache));
         self.tokens += n;
         Some(n)
+    }
+
+    /// At a segment's start, with `first` its first chunk: looks the whole segment up when it
+    /// qualifies (see [`Whole`]). On a hit appends its ids and moves past it; on a miss starts
+    /// collecting its chunks' ids.
+    fn whole_hit(&mut self, cache: &SegmentCache, first: Planned, out: &mut Vec<u32>) -> bool {
+        if self.whole != Whole::Unchecked {
+            return false;
+        }
+        let seg_end = self.segment_end();
+        let is_last = self.segment + 1 >= self.segment_ends.len();
+        if first.ends_segment || is_last || seg_end - self.pos > MAX_WHOLE_SEGMENT {
+            self.whole = Whole::Off;
+            return false;
+        }
+        let key = cache::key_of(self.text.get(self.pos..seg_end).unwrap_or_default());
+        if cache.get(key, out) {
+            self.outcome.hit_bytes += seg_end - self.pos;
+            let whole = Planned {
+                end: seg_end,
+                ends_segment: true,
+                key,
+            };
+            self.whole = Whole::Off;
+            self.commit(whole, None);
+            return true;
+        }
+        self.whole = Whole::Collecting(key);
+        self.segment_ids.clear();
+        false
+    }
+
+    /// Keeps a chunk's ids while the segment is collected whole.
+    fn collect(&mut self, ids: &[u32]) {
+        if matches!(self.whole, Whole::Collecting(_)) {
+            self.segment_ids.extend_from_slice(ids);
+        }
+    }
+
+    /// The end of the current segment.
+    fn segment_end(&self) -> usize {
+        let len = self.text.len();
+        self.segment_ends
+            .get(self.segment)
+            .copied()
+            .unwrap_or(len)
+            .clamp(self.pos, len)
     }
 
     /// The next chunk of a chunked engine (see the module docs for where it ends).
     fn plan(&self, hf: &HfTokenizer) -> Planned {
         let start = self.pos;
-        let len = self.text.len();
-        let seg_end = self
-            .segment_ends
-            .get(self.segment)
-            .copied()
-            .unwrap_or(len)
-            .clamp(start, len);
+        let seg_end = self.segment_end();
         let end = hf
             .inner_cuts()
             .next(&self.text, start.saturating_add(self.next_chunk), seg_end)
@@ -153,9 +229,15 @@ impl<'a> EncodeCursor<'a> {
         }
     }
 
-    /// Moves past a planned chunk.
-    fn commit(&mut self, plan: Planned) {
+    /// Moves past a planned chunk; at a segment's end, caches the segment whole when its
+    /// chunks' ids were collected.
+    fn commit(&mut self, plan: Planned, cache: Option<&SegmentCache>) {
         if plan.ends_segment {
+            if let (Whole::Collecting(key), Some(cache)) = (self.whole, cache) {
+                cache.put(key, &self.segment_ids);
+            }
+            self.whole = Whole::Unchecked;
+            self.segment_ids.clear();
             self.segment += 1;
             self.next_chunk = first_chunk(self.chunk_bytes);
         } else {
@@ -204,13 +286,23 @@ impl<'a> EncodeCursor<'a> {
                 self.pos = len;
             }
             Engine::Chunked(hf) => {
+                let before = out.len();
                 let plan = match self.planned {
                     Some(p) => p,
-                    None => self.plan(hf),
+                    None => {
+                        let p = self.plan(hf);
+                        if let Some(cache) = self.cache
+                            && self.whole_hit(cache, p, out)
+                        {
+                            return Ok(());
+                        }
+                        p
+                    }
                 };
-                self.commit(plan);
                 let chunk = self.text.get(start..plan.end).unwrap_or_default();
                 encode_chunk(hf, chunk, plan.key, self.cache, &mut self.outcome, out)?;
+                self.collect(out.get(before..).unwrap_or_default());
+                self.commit(plan, self.cache);
             }
         }
         Ok(())

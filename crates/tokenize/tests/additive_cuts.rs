@@ -181,3 +181,92 @@ fn qwen3_cuts_inside_a_message_and_the_cache_serves_every_chunk() {
         whole.len()
     );
 }
+
+/// Steps `cursor` through `next_cached_into` only: the ids and the number of lookups that hit.
+fn drain_cached(mut cursor: EncodeCursor<'_>) -> (Vec<u32>, usize) {
+    let mut ids = Vec::new();
+    let mut steps = 0;
+    while cursor.next_cached_into(&mut ids).is_some() {
+        steps += 1;
+    }
+    assert!(
+        cursor.is_done(),
+        "a lookup missed at byte {}",
+        cursor.consumed_bytes()
+    );
+    assert_eq!(cursor.outcome().miss_bytes, 0);
+    (ids, steps)
+}
+
+/// A resent message is found whole, one lookup instead of one per chunk, with the same ids:
+/// whichever way the first pass walked it (tokenizing, as the finisher does, or looking each
+/// chunk up first, as the request path does).
+#[test]
+fn qwen3_resent_messages_are_found_whole() {
+    let Some(tok) = common::qwen3() else { return };
+    let content = "the quick brown fox jumps over the lazy dog and ".repeat(200);
+    let messages = vec![
+        serde_json::json!({"role": "user", "content": content}),
+        serde_json::json!({"role": "assistant", "content": "It sleeps."}),
+        serde_json::json!({"role": "user", "content": "And then?"}),
+    ];
+    let opts = ChatOptions {
+        add_generation_prompt: true,
+        ..Default::default()
+    };
+    let whole = tok.encode_chat(&messages, &opts).unwrap();
+    for request_path_first in [false, true] {
+        let cache = SegmentCache::new(1 << 22);
+        let mut first = tok
+            .chat_cursor(&messages, &opts, Some(&cache), 256)
+            .unwrap();
+        let mut ids = Vec::new();
+        let mut chunks = 0;
+        while !first.is_done() {
+            chunks += 1;
+            if request_path_first && first.next_cached_into(&mut ids).is_some() {
+                continue;
+            }
+            first.next_into(&mut ids).unwrap().unwrap();
+        }
+        assert_eq!(ids, whole);
+        assert!(chunks >= 30, "only {chunks} chunks");
+        let (again, steps) = drain_cached(
+            tok.chat_cursor(&messages, &opts, Some(&cache), 256)
+                .unwrap(),
+        );
+        assert_eq!(again, whole);
+        // One lookup per segment: the three messages' openings and endings and the
+        // generation prompt, not the long message's 30+ chunks.
+        assert!(steps <= 8, "{steps} lookups");
+    }
+}
+
+/// A segment first seen as the text's last (a growing completions prompt: cached by chunks
+/// only) is cached whole once it is seen followed by more text, and found whole after that.
+#[test]
+fn qwen3_segment_cached_whole_once_not_last() {
+    let Some(tok) = common::qwen3() else { return };
+    let long = "the quick brown fox jumps over the lazy dog and ".repeat(100);
+    let followed = format!("{long}<|im_end|>");
+    let cache = SegmentCache::new(1 << 22);
+    let (ids, chunks) = drain(tok.prompt_cursor(&long, Some(&cache), 256).unwrap());
+    assert_eq!(ids, tok.encode_prompt(&long).unwrap());
+    assert!(chunks >= 10, "only {chunks} chunks");
+    let expect = tok.encode_prompt(&followed).unwrap();
+    // Its chunks hit one by one; the segment is collected and cached whole.
+    let mut second = tok.prompt_cursor(&followed, Some(&cache), 256).unwrap();
+    let mut ids = Vec::new();
+    let mut hits = 0;
+    while second.next_cached_into(&mut ids).is_some() {
+        hits += 1;
+    }
+    assert_eq!(hits, chunks, "every chunk of the first pass hits");
+    second.next_into(&mut ids).unwrap().unwrap();
+    assert!(second.is_done());
+    assert_eq!(ids, expect);
+    // Now one lookup finds it.
+    let (third, steps) = drain_cached(tok.prompt_cursor(&followed, Some(&cache), 256).unwrap());
+    assert_eq!(third, expect);
+    assert_eq!(steps, 2);
+}
