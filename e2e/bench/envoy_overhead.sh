@@ -64,8 +64,11 @@ for _ in $(seq 100); do curl -sf "http://127.0.0.1:$admin/ready" >/dev/null && b
 for _ in $(seq 100); do curl -sf -o /dev/null "http://127.0.0.1:$epp/v1/models" && break; sleep 0.2; done
 
 # wrk: $1 port, $2 connections, $3 body bytes, $4 history(0/1), $5 seconds → "RESULT …" line.
+# Every invocation gets its own RUN number (kept in a file: load runs in subshells), so no run
+# replays the prompts of the warm-up before it.
 load() {
-  BODY_BYTES=$3 HISTORY=$4 wrk -t"$(( $2 < 2 ? 1 : 2 ))" -c"$2" -d"${5:-$secs}s" --latency --timeout 60s \
+  local n; n=$(( $(cat "$run/wrk-runs" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$run/wrk-runs"
+  RUN=$n BODY_BYTES=$3 HISTORY=$4 wrk -t"$(( $2 < 2 ? 1 : 2 ))" -c"$2" -d"${5:-$secs}s" --latency --timeout 60s \
     -s "$root/e2e/bench/overhead.lua" "http://127.0.0.1:$1" 2>&1 | grep '^RESULT' || echo "RESULT failed"
 }
 field() { sed -n "s/.*$1=\([0-9]*\).*/\1/p" <<<"$2"; }

@@ -5,10 +5,12 @@
 -- generator seeded per request, so no chunk of one prompt's text recurs in another and "new"
 -- prompts are really cold for the EPP's tokenization cache; periodic: the earlier generator, a
 -- 30-word cycle whose phase varies, so after a few requests every chunk past the first is
--- already cached).
+-- already cached); RUN (a number unique to this wrk invocation, mixed into every request's id
+-- and text seed, so a measured run never replays its warm-up's prompts).
 local body_bytes = tonumber(os.getenv("BODY_BYTES") or "8192")
 local shared_history = os.getenv("HISTORY") == "1"
 local periodic = os.getenv("TEXT") == "periodic"
+local run = tonumber(os.getenv("RUN") or "0")
 local words = {"the","cache","request","model","token","prefix","server","gateway","route","block",
   "memory","latency","cluster","policy","engine","decode","prefill","batch","queue","stream",
   "answer","question","data","value","index","node","service","context","window","summary"}
@@ -47,16 +49,18 @@ local history = nil
 
 request = function()
   counter = counter + 1
-  local id = string.format("t%d-r%d", tid or 0, counter)
+  local id = string.format("w%d-t%d-r%d", run, tid or 0, counter)
+  -- A block of 10^7 seeds per run; seed * 7919 stays far below 2^53, exact in Lua numbers.
+  local seed = run * 10000000 + counter
   local messages
   if shared_history then
     if history == nil then
       history = string.format('{"role":"system","content":"%s"},{"role":"user","content":"%s"},{"role":"assistant","content":"%s"}',
         text(256, 1), text(body_bytes - 1024, 2), text(256, 3))
     end
-    messages = string.format('%s,{"role":"user","content":"question %s: %s"}', history, id, text(400, counter))
+    messages = string.format('%s,{"role":"user","content":"question %s: %s"}', history, id, text(400, seed))
   else
-    messages = string.format('{"role":"user","content":"request %s: %s"}', id, text(body_bytes - 128, counter))
+    messages = string.format('{"role":"user","content":"request %s: %s"}', id, text(body_bytes - 128, seed))
   end
   local body = string.format('{"model":"m","messages":[%s],"max_tokens":1,"ignore_eos":true}', messages)
   return wrk.format("POST", "/v1/chat/completions", {["Content-Type"] = "application/json"}, body)
