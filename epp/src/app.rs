@@ -132,7 +132,13 @@ pub fn run(args: Args) -> Result<(), AppError> {
         Arc::clone(&state.loads),
         Arc::clone(&state.datastore),
     )
-    .with_rewrites(rewrites);
+    .with_rewrites(rewrites)
+    .with_client_transfer_fields(args.allow_client_transfer_params);
+    if args.allow_client_transfer_params {
+        tracing::warn!(
+            "clients may set kv_transfer_params and bootstrap_*: engines will pull KV from hosts they name"
+        );
+    }
     if let Feed::Kube(kube) = &feed {
         let objectives: Arc<dyn crate::routing::picker::Objectives> =
             Arc::clone(kube.objectives()) as _;

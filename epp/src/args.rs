@@ -141,6 +141,12 @@ pub struct Args {
     /// Tokio worker threads serving ext_proc (0: one per CPU).
     #[arg(long, env = "KVGATE_WORKER_THREADS", default_value_t = 0)]
     pub worker_threads: usize,
+    /// Let clients send the prefill/decode transfer fields (`kv_transfer_params`,
+    /// `bootstrap_host`/`bootstrap_port`/`bootstrap_room`). By default such requests get 400:
+    /// the fields tell an engine where to pull KV from, kvgate's sidecar sets them itself, and
+    /// from a client they would point the engine at a host of the client's choosing.
+    #[arg(long, env = "KVGATE_ALLOW_CLIENT_TRANSFER_PARAMS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub allow_client_transfer_params: bool,
     /// HTTP/2 adaptive flow-control windows on the ext_proc listener (BDP estimation).
     #[arg(long, env = "KVGATE_HTTP2_ADAPTIVE_WINDOW", default_value_t = false, action = clap::ArgAction::Set)]
     pub http2_adaptive_window: bool,

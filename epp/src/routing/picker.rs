@@ -126,6 +126,8 @@ pub struct Picker {
     keyer: Keyer,
     scheduler: Scheduler,
     rewrites: RewriteRules,
+    /// Whether clients may set the P/D transfer fields (`request::TRANSFER_FIELDS`).
+    client_transfer_fields: bool,
     objectives: Option<Arc<dyn Objectives>>,
     index: Arc<KvIndex>,
     inflight: Arc<InflightTracker>,
@@ -152,6 +154,7 @@ impl Picker {
             keyer,
             scheduler,
             rewrites: RewriteRules::default(),
+            client_transfer_fields: false,
             objectives: None,
             index,
             inflight,
@@ -169,6 +172,15 @@ impl Picker {
     #[must_use]
     pub fn with_rewrites(mut self, rules: RewriteRules) -> Self {
         self.rewrites = rules;
+        self
+    }
+
+    /// Lets clients set the P/D transfer fields (`kv_transfer_params`, `bootstrap_*`), which
+    /// are refused with 400 by default: for deployments whose trusted clients run their own
+    /// prefill/decode flow through the gateway.
+    #[must_use]
+    pub fn with_client_transfer_fields(mut self, allowed: bool) -> Self {
+        self.client_transfer_fields = allowed;
         self
     }
 
@@ -251,6 +263,19 @@ impl Picker {
         };
         let parsed = request::parse(api, body)
             .map_err(|e| (Rejection::BadRequest(e.to_string()), String::new()))?;
+        if let Some(field) = parsed.transfer_field
+            && !self.client_transfer_fields
+        {
+            tracing::debug!(field, "refused a client-set KV transfer field");
+            return Err((
+                Rejection::BadRequest(format!(
+                    "`{field}` directs the engine's KV transfer and is set by kvgate on the \
+                     prefill/decode path; clients may not send it (the EPP's \
+                     --allow-client-transfer-params lets trusted clients)"
+                )),
+                String::new(),
+            ));
+        }
         let model = parsed
             .model
             .as_deref()
@@ -598,6 +623,34 @@ mod tests {
                 .unwrap_err()
                 .status(),
             503
+        );
+    }
+
+    #[test]
+    fn client_transfer_fields_are_refused_unless_allowed() {
+        let (p, _) = picker(2);
+        let body = br#"{"prompt":"abcdefghijklmnop","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"203.0.113.9","remote_port":5600}}"#;
+        let err = p
+            .route(input("/v1/completions", Some(body), None))
+            .unwrap_err();
+        assert_eq!(err.status(), 400);
+        assert_eq!(err.reason(), "bad-request");
+        assert!(err.message().contains("`kv_transfer_params`"), "{err:?}");
+        let chat = br#"{"messages":[{"role":"user","content":"hi"}],"bootstrap_host":"203.0.113.9","bootstrap_room":1}"#;
+        assert_eq!(
+            p.route(input("/v1/chat/completions", Some(chat), None))
+                .unwrap_err()
+                .status(),
+            400
+        );
+        // Neither counts as routed.
+        assert_eq!(p.stats().routed.load(Ordering::Relaxed), 0);
+        let p = p.with_client_transfer_fields(true);
+        assert!(
+            !p.route(input("/v1/completions", Some(body), None))
+                .unwrap()
+                .endpoints
+                .is_empty()
         );
     }
 

@@ -2,11 +2,27 @@
 //!
 //! The body is parsed once, straight from the buffer Envoy sent; strings without escapes are
 //! borrowed from it. Chat messages are kept as JSON values for the chat template.
+//!
+//! It also notes the prefill/decode transfer fields a client set ([`TRANSFER_FIELDS`]): vLLM's
+//! `kv_transfer_params` and SGLang's `bootstrap_host`/`bootstrap_port`/`bootstrap_room` tell an
+//! engine where to pull a prompt's KV cache from. kvgate's sidecar sets them itself on the P/D
+//! path; from a client they would make the engine connect to a host of the client's choosing
+//! and take its KV blocks as the prompt's, so the picker refuses them unless told otherwise.
 
 use std::borrow::Cow;
 
 use serde::Deserialize;
+use serde::de::IgnoredAny;
 use serde_json::Value;
+
+/// Request fields that direct an engine's KV transfer (see the module docs), in the order they
+/// are reported.
+pub const TRANSFER_FIELDS: [&str; 4] = [
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+];
 
 /// Which OpenAI API a path names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,6 +92,31 @@ struct Raw<'a> {
     add_generation_prompt: Option<bool>,
     #[serde(default)]
     continue_final_message: Option<bool>,
+    // The transfer fields: only whether they are set (null counts as absent, as engines read it).
+    #[serde(default)]
+    kv_transfer_params: Option<IgnoredAny>,
+    #[serde(default)]
+    bootstrap_host: Option<IgnoredAny>,
+    #[serde(default)]
+    bootstrap_port: Option<IgnoredAny>,
+    #[serde(default)]
+    bootstrap_room: Option<IgnoredAny>,
+}
+
+impl Raw<'_> {
+    /// The first of [`TRANSFER_FIELDS`] the body sets.
+    fn transfer_field(&self) -> Option<&'static str> {
+        let set = [
+            self.kv_transfer_params.is_some(),
+            self.bootstrap_host.is_some(),
+            self.bootstrap_port.is_some(),
+            self.bootstrap_room.is_some(),
+        ];
+        TRANSFER_FIELDS
+            .iter()
+            .zip(set)
+            .find_map(|(&f, set)| set.then_some(f))
+    }
 }
 
 /// What the EPP keys a request on.
@@ -107,6 +148,8 @@ pub struct ParsedRequest<'a> {
     pub user: Option<Cow<'a, str>>,
     /// The prompt.
     pub input: Input<'a>,
+    /// The first P/D transfer field the client set ([`TRANSFER_FIELDS`]), if any.
+    pub transfer_field: Option<&'static str>,
 }
 
 /// Why a body is refused (400).
@@ -147,6 +190,7 @@ impl ParseError {
 /// Parses a completions or chat body. `Api::Other` is not parsed (the caller routes on load).
 pub fn parse(api: Api, body: &[u8]) -> Result<ParsedRequest<'_>, ParseError> {
     let raw: Raw<'_> = serde_json::from_slice(body).map_err(|e| ParseError::Json(e.to_string()))?;
+    let transfer_field = raw.transfer_field();
     let input = match api {
         Api::Completions => {
             let prompt = raw.prompt.ok_or(ParseError::Missing {
@@ -204,6 +248,7 @@ pub fn parse(api: Api, body: &[u8]) -> Result<ParsedRequest<'_>, ParseError> {
         cache_salt: raw.cache_salt.map(|s| s.0),
         user: raw.user.map(|s| s.0),
         input,
+        transfer_field,
     })
 }
 
@@ -252,6 +297,36 @@ mod tests {
         assert_eq!(messages.len(), 1);
         assert!(options.add_generation_prompt);
         assert_eq!(options.template_kwargs["enable_thinking"], false);
+    }
+
+    #[test]
+    fn transfer_fields_are_noted_however_written() {
+        let chat = |extra: &str| {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{extra}}}"#);
+            parse(Api::Chat, body.as_bytes()).unwrap().transfer_field
+        };
+        assert_eq!(chat(""), None);
+        assert_eq!(chat(r#","kv_transfer_params":null"#), None);
+        assert_eq!(
+            chat(r#","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"x"}"#),
+            Some("kv_transfer_params")
+        );
+        // An escaped key is the same key to the engine's JSON parser, and to this one.
+        assert_eq!(
+            chat(r#","kv\u005ftransfer_params":{}"#),
+            Some("kv_transfer_params")
+        );
+        assert_eq!(
+            chat(r#","bootstrap_room":7,"bootstrap_host":"10.0.0.9""#),
+            Some("bootstrap_host")
+        );
+        assert_eq!(chat(r#","bootstrap_port":8998"#), Some("bootstrap_port"));
+        assert_eq!(chat(r#","bootstrap_room":7"#), Some("bootstrap_room"));
+        // Inside a message it is text, not a field.
+        let body = br#"{"messages":[{"role":"user","content":"\"kv_transfer_params\": {}"}]}"#;
+        assert_eq!(parse(Api::Chat, body).unwrap().transfer_field, None);
+        let r = parse(Api::Completions, br#"{"prompt":"x","bootstrap_host":"h"}"#).unwrap();
+        assert_eq!(r.transfer_field, Some("bootstrap_host"));
     }
 
     #[test]
