@@ -27,7 +27,9 @@ report() {  # $1: ticks at start, $2: wall seconds
   lag_max=$(metric kvgate_sim_step_lag_max_seconds)
   python3 -c "print(f'sim CPU: {$used/$hz/$2*100:.0f}% of one core; steps: {int($lag_n)}, mean delivery lag {$lag_sum/max($lag_n,1)*1000:.2f} ms, max {$lag_max*1000:.1f} ms')"
 }
-metric() { curl -s "http://127.0.0.1:$port/metrics" | awk -v n="$1" '$1 ~ "^"n"[{ ]" || $1 == n {print $2; exit}'; }
+# awk reads the whole page: exiting at the first match would make curl fail with a write error
+# (exit 23), which pipefail turns into this script's exit.
+metric() { curl -s "http://127.0.0.1:$port/metrics" | awk -v n="$1" '!done && ($1 ~ "^"n"[{ ]" || $1 == n) {print $2; done=1}'; }
 
 echo "== short requests: 64-byte prompt, max_tokens 1, non-streaming, 256 connections, ${secs}s"
 run_sim --max-num-seqs 256
