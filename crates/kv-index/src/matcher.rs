@@ -163,6 +163,10 @@ pub(crate) struct Matcher {
     ids: IdMap,
     /// Some candidate is listed twice.
     repeats: bool,
+    /// The candidates `ids` was built for: a lookup with the same list (the EPP passes its
+    /// pool's endpoints each time) keeps the map and only undoes the states the last one
+    /// created, instead of mapping every candidate again.
+    mapped: Vec<EndpointId>,
     cands: Vec<Cand>,
     alive: Vec<u32>,
     started: bool,
@@ -175,16 +179,24 @@ pub(crate) struct Matcher {
 impl Matcher {
     /// Starts a lookup for `candidates`.
     pub(crate) fn begin(&mut self, candidates: &[EndpointId]) {
-        self.ids.reset(candidates);
-        self.repeats = false;
-        for (p, ep) in candidates.iter().enumerate() {
-            match u32::try_from(p) {
-                Ok(p) if p < CREATED && self.ids.get(ep.get()).is_none() => {
-                    self.ids.set(ep.get(), p);
-                }
-                // A repeat (or a position too large to record): finish looks each one up.
-                _ => self.repeats = true,
+        if self.mapped.as_slice() == candidates {
+            for c in &self.cands {
+                self.ids.set(c.endpoint, c.pos);
             }
+        } else {
+            self.ids.reset(candidates);
+            self.repeats = false;
+            for (p, ep) in candidates.iter().enumerate() {
+                match u32::try_from(p) {
+                    Ok(p) if p < CREATED && self.ids.get(ep.get()).is_none() => {
+                        self.ids.set(ep.get(), p);
+                    }
+                    // A repeat (or a position too large to record): finish looks each one up.
+                    _ => self.repeats = true,
+                }
+            }
+            self.mapped.clear();
+            self.mapped.extend_from_slice(candidates);
         }
         self.cands.clear();
         self.alive.clear();
@@ -217,13 +229,16 @@ impl Matcher {
                 same
             }
             Holders::Many(list) => {
+                // Without an early exit, so the comparison vectorises: a shared prefix's
+                // blocks (tens of holders each) all take this path, and most are equal.
                 if self.prev_is_many
                     && self.prev_many.len() == list.len()
                     && self
                         .prev_many
                         .iter()
                         .zip(list)
-                        .all(|(&a, &b)| a == b & ENTRY_MASK)
+                        .fold(0, |diff, (&a, &b)| diff | (a ^ (b & ENTRY_MASK)))
+                        == 0
                 {
                     return true;
                 }

@@ -33,15 +33,13 @@
 //! a log position. Writers zero other holders' entries only after releasing their shard locks,
 //! so no thread waits for a log while holding what another waits for.
 
-use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, TryLockError};
 
 use kv_events::fasthash::U64Map;
 
 use crate::table::{ALL_TIERS, Bits, NO_POS, SPEC};
 
-/// A lookup walked the entry (CLOCK's reference bit for blocks a lookup never probed).
-const REF: u8 = 1 << 7;
 /// The bits of a state that describe the residency.
 const STATE: u8 = ALL_TIERS | SPEC;
 /// The smallest log.
@@ -54,6 +52,13 @@ const MAX_LEN: usize = 1 << 23;
 pub(crate) struct RunLog {
     keys: Vec<u64>,
     states: Vec<AtomicU8>,
+    /// One bit per entry: a lookup walked it since the CLOCK hand last asked (the reference
+    /// bit of blocks a lookup read from here and never probed). Apart from the states so that
+    /// a lookup marks a run with a plain load and store per 64 entries ([`RunLog::mark`]):
+    /// a locked read-modify-write per entry, as a bit in the state byte needed (zeroings
+    /// race with lookups there), cost a third of a cold lookup, because each one stops the
+    /// loads behind it from overlapping their misses.
+    refs: Vec<AtomicU64>,
     /// Where the next entry goes.
     next: usize,
 }
@@ -91,6 +96,7 @@ impl RunLog {
                 self.keys.resize(to, 0);
                 self.states.reserve_exact(to - len);
                 self.states.resize_with(to, AtomicU8::default);
+                self.refs.resize_with(to.div_ceil(64), AtomicU64::default);
             }
         }
         // The range keeps its old entries until commits overwrite them: each is still exact
@@ -107,6 +113,9 @@ impl RunLog {
         if let (Some(k), Some(s)) = (self.keys.get_mut(p), self.states.get(p)) {
             *k = key;
             s.store(state & STATE, Relaxed);
+            if let Some(w) = self.refs.get_mut(p / 64) {
+                *w.get_mut() &= !(1 << (p % 64));
+            }
         }
     }
 
@@ -139,8 +148,26 @@ impl RunLog {
 
     /// Whether a lookup walked the entry since the last call (and clears the mark).
     pub(crate) fn take_ref(&self, pos: u32, key: u64) -> bool {
-        self.state_of(pos, key)
-            .is_some_and(|s| s.fetch_and(!REF, Relaxed) & REF != 0)
+        let p = pos as usize;
+        let bit = 1 << (p % 64);
+        self.state_of(pos, key).is_some()
+            && self
+                .refs
+                .get(p / 64)
+                .is_some_and(|w| w.fetch_and(!bit, Relaxed) & bit != 0)
+    }
+
+    /// Sets the reference bits `mask` of word `word` unless all are set: a plain load and
+    /// store, not a locked `fetch_or`. A concurrent lookup's or the hand's update of the same
+    /// word may be lost or undone that way; either only costs or gives a block one turn of
+    /// the CLOCK hand (the marks are a recency hint, never part of an answer).
+    fn mark(&self, word: usize, mask: u64) {
+        if let Some(w) = self.refs.get(word) {
+            let v = w.load(Relaxed);
+            if v & mask != mask {
+                w.store(v | mask, Relaxed);
+            }
+        }
     }
 
     fn state_of(&self, pos: u32, key: u64) -> Option<&AtomicU8> {
@@ -188,22 +215,28 @@ impl RunLog {
         };
         let mut n = 0;
         let mut prev = 0;
+        // The reference bits of the entries walked, one word at a time.
+        let (mut word, mut mask) = (start / 64, 0u64);
         for ((&k, s), q) in log.iter().zip(states).zip(keys) {
-            let st = s.load(Relaxed);
-            if k != q.0 || st & STATE == 0 {
+            let st = s.load(Relaxed) & STATE;
+            if k != q.0 || st == 0 {
                 break;
             }
-            if st & REF == 0 {
-                s.fetch_or(REF, Relaxed);
+            let p = start + n;
+            if p / 64 != word {
+                self.mark(word, mask);
+                (word, mask) = (p / 64, 0);
             }
+            mask |= 1 << (p % 64);
             n += 1;
-            if !CHANGES || st & STATE != prev {
-                prev = st & STATE;
+            if !CHANGES || st != prev {
+                prev = st;
                 if !f(n - 1, prev) {
                     break;
                 }
             }
         }
+        self.mark(word, mask);
         n
     }
 
@@ -232,7 +265,7 @@ impl RunLog {
 
     /// Bytes owned.
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.keys.capacity() * 8 + self.states.capacity()
+        self.keys.capacity() * 8 + self.states.capacity() + self.refs.capacity() * 8
     }
 
     /// Entries claiming a state: (key, state).
@@ -510,6 +543,10 @@ mod tests {
         for p in 0..60 {
             l.commit(p, 100 + u64::from(p), 1);
         }
+        // Position 8 was walked (marked) before the wrap; its new entry starts unmarked.
+        assert!(!l.take_ref(8, 108));
+        assert_eq!(l.walk(7, &[BlockKey(108)], |_, _| true), 1);
+        assert!(l.take_ref(8, 108));
         // 60 of 64 live: grows by a quarter (the run continues where it was).
         assert_eq!(l.reserve_run(10), 60);
         assert_eq!(l.keys.len(), 80);

@@ -209,3 +209,38 @@ fn a_run_walk_sees_a_block_that_became_shared() {
     );
     assert_eq!(idx.find_matches(&k, &[ep(0)])[0].reaches(), [0, 5, 10, 10]);
 }
+
+/// Lookups on one thread share scratch state, and one with the same candidate list as the
+/// last reuses its candidate map: answers must not depend on what the previous lookup saw,
+/// whether the list is the same, reordered, repeated or a subset.
+#[test]
+fn consecutive_lookups_do_not_leak_candidate_state() {
+    let idx = KvIndex::new(IndexConfig::default()).unwrap();
+    let all = keys(40);
+    let (x, y) = (&all[..20], &all[20..]);
+    idx.apply(Holder::Endpoint(ep(1)), &[stored(x, Tier::Gpu)]);
+    idx.apply(Holder::Endpoint(ep(2)), &[stored(&y[..5], Tier::Gpu)]);
+    idx.apply(Holder::Endpoint(ep(3)), &[stored(&y[..9], Tier::Host)]);
+    let reach = |k: &[BlockKey], c: &[EndpointId]| -> Vec<[u32; 4]> {
+        idx.find_matches(k, c).iter().map(|o| o.reaches()).collect()
+    };
+    let c = [ep(1), ep(2), ep(3)];
+    for _ in 0..2 {
+        assert_eq!(reach(x, &c), [[20; 4], [0; 4], [0; 4]]);
+        assert_eq!(reach(y, &c), [[0; 4], [5; 4], [0, 9, 9, 9]]);
+        assert_eq!(reach(&x[..0], &c), [[0; 4]; 3]);
+    }
+    assert_eq!(
+        reach(y, &[ep(3), ep(2), ep(1)]),
+        [[0, 9, 9, 9], [5; 4], [0; 4]]
+    );
+    assert_eq!(
+        reach(y, &[ep(2), ep(3), ep(2)]),
+        [[5; 4], [0, 9, 9, 9], [5; 4]]
+    );
+    assert_eq!(reach(x, &[ep(2), ep(3), ep(2)]), [[0; 4]; 3]);
+    assert_eq!(reach(x, &[ep(1), ep(1)]), [[20; 4]; 2]);
+    assert_eq!(reach(y, &[ep(1), ep(1)]), [[0; 4]; 2]);
+    assert_eq!(reach(y, &[ep(3)]), [[0, 9, 9, 9]]);
+    assert_eq!(reach(x, &[ep(3)]), [[0; 4]]);
+}
