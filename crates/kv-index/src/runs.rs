@@ -47,6 +47,29 @@ const MIN_LEN: usize = 64;
 /// The largest log: positions must stay below [`NO_POS`].
 const MAX_LEN: usize = 1 << 23;
 
+/// The reference bits a walk sets, gathered one word at a time ([`RunLog::mark`]).
+struct Marks<'a> {
+    log: &'a RunLog,
+    word: usize,
+    mask: u64,
+}
+
+impl Marks<'_> {
+    /// Adds `bits` (from position `p` up; they must fit in `p`'s word).
+    fn add(&mut self, p: usize, bits: u64) {
+        if p / 64 != self.word {
+            self.flush();
+            self.word = p / 64;
+        }
+        self.mask |= bits << (p % 64);
+    }
+
+    fn flush(&mut self) {
+        self.log.mark(self.word, self.mask);
+        self.mask = 0;
+    }
+}
+
 /// One holder's log of runs.
 #[derive(Debug, Default)]
 pub(crate) struct RunLog {
@@ -216,8 +239,11 @@ impl RunLog {
         let len = log.len().min(states.len()).min(keys.len());
         let mut n = 0;
         let mut prev = 0;
-        // The reference bits of the entries walked, one word at a time.
-        let (mut word, mut mask) = (start / 64, 0u64);
+        let mut marks = Marks {
+            log: self,
+            word: start / 64,
+            mask: 0,
+        };
         while n < len {
             // Past the first key, eight entries whose keys match and whose states all equal
             // the last one change only the count and the marks: compared at once (without
@@ -233,12 +259,7 @@ impl RunLog {
                     .iter()
                     .fold(0, |d, s| d | ((s.load(Relaxed) & STATE) ^ prev));
                 if keys_differ == 0 && states_differ == 0 {
-                    let p = start + n;
-                    if p / 64 != word {
-                        self.mark(word, mask);
-                        (word, mask) = (p / 64, 0);
-                    }
-                    mask |= 0xFF << (p % 64);
+                    marks.add(start + n, 0xFF);
                     n += 8;
                     continue;
                 }
@@ -250,12 +271,7 @@ impl RunLog {
             if k != q.0 || st == 0 {
                 break;
             }
-            let p = start + n;
-            if p / 64 != word {
-                self.mark(word, mask);
-                (word, mask) = (p / 64, 0);
-            }
-            mask |= 1 << (p % 64);
+            marks.add(start + n, 1);
             n += 1;
             if !CHANGES || st != prev {
                 prev = st;
@@ -264,7 +280,7 @@ impl RunLog {
                 }
             }
         }
-        self.mark(word, mask);
+        marks.flush();
         n
     }
 
