@@ -16,7 +16,7 @@ use super::connector::Connector;
 use super::error::ProxyError;
 use super::headers::{PREFILLER_HEADER, Prefiller, prefiller, strip_hop_by_hop};
 use super::metrics::{InFlight, Mode, ProxyMetrics};
-use super::prefill::{self, Leg, PrefillConfig, Prefilled};
+use super::prefill::{self, Nixl, PrefillConfig, Prefilled};
 use super::rewrite::{self, Api};
 use super::ssrf::SsrfPolicy;
 use super::upstream::Upstream;
@@ -233,20 +233,12 @@ async fn pd(
         path: &path,
         headers: &parts.headers,
         body: prefill_body,
-        leg: Leg::Nixl,
     };
-    let (outcome, waited) = prefill::run(&state.client, &state.prefill, &state.metrics, call).await;
+    let (outcome, waited) =
+        prefill::run::<Nixl>(&state.client, &state.prefill, &state.metrics, call).await;
     let params = match outcome? {
-        Prefilled::Params(p) => p,
+        Prefilled::Ready(p) => p,
         Prefilled::Refused(status, body) => return Ok(refused(status, body)),
-        // A NIXL leg answers with params or fails; `Done` belongs to the bootstrap leg.
-        Prefilled::Done => {
-            return Err(ProxyError::PrefillFailed {
-                prefiller: prefiller.to_string(),
-                attempts: 1,
-                reason: "the prefill answer carried no kv_transfer_params".into(),
-            });
-        }
     };
     tracing::debug!(?params, "prefill done");
     let decode = rewrite::to_bytes(&rewrite::decode_request(original, params));

@@ -30,39 +30,60 @@ pub struct PrefillConfig {
     pub max_body: usize,
 }
 
-/// Which connector's prefill leg this is: what a successful answer must contain, and which
-/// failures may be retried.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Leg {
-    /// vLLM NIXL: the answer must carry `kv_transfer_params`; every retryable failure is retried.
-    Nixl,
-    /// SGLang bootstrap: any 2xx answer will do. Only failures where the prefiller cannot have
-    /// started the request (connect errors, 502/503/504) are retried: a retry reuses the room
-    /// the decode engine is waiting in, and two prefills in one room must never happen, so a
-    /// timeout or a connection broken mid-request is final.
-    Bootstrap,
+/// A connector's prefill leg: what a successful answer must contain, and which failures may be
+/// retried. The answer's type is the leg's, so a caller never handles another leg's outcome.
+pub trait Leg {
+    /// What a 2xx answer yields for the decode leg.
+    type Answer: Send;
+    /// Whether this leg may try again after `failure`.
+    fn may_retry(failure: Failure) -> bool;
+    /// Reads a 2xx answer's body; `Err` is a bad response (the reason).
+    fn read(body: &[u8]) -> Result<Self::Answer, String>;
 }
 
-impl Leg {
-    /// Whether this leg may try again after `failure`.
-    pub fn may_retry(self, failure: Failure) -> bool {
-        match self {
-            Self::Nixl => failure.retryable(),
-            Self::Bootstrap => matches!(
-                failure,
-                Failure::Connect | Failure::Status502 | Failure::Status503 | Failure::Status504
-            ),
-        }
+/// vLLM NIXL: the answer must carry `kv_transfer_params`; every retryable failure is retried.
+#[derive(Debug)]
+pub struct Nixl;
+
+impl Leg for Nixl {
+    type Answer = Value;
+
+    fn may_retry(failure: Failure) -> bool {
+        failure.retryable()
+    }
+
+    fn read(body: &[u8]) -> Result<Value, String> {
+        rewrite::transfer_params(body).map_err(|e| e.to_string())
+    }
+}
+
+/// SGLang bootstrap: any 2xx answer will do. Only failures where the prefiller cannot have
+/// started the request (connect errors, 502/503/504) are retried: a retry reuses the room the
+/// decode engine is waiting in, and two prefills in one room must never happen, so a timeout
+/// or a connection broken mid-request is final.
+#[derive(Debug)]
+pub struct Bootstrap;
+
+impl Leg for Bootstrap {
+    type Answer = ();
+
+    fn may_retry(failure: Failure) -> bool {
+        matches!(
+            failure,
+            Failure::Connect | Failure::Status502 | Failure::Status503 | Failure::Status504
+        )
+    }
+
+    fn read(_: &[u8]) -> Result<(), String> {
+        Ok(())
     }
 }
 
 /// How the leg ended, when it did not fail.
 #[derive(Debug)]
-pub enum Prefilled {
-    /// The params for the decode leg (NIXL).
-    Params(Value),
-    /// The prefiller answered 2xx (SGLang bootstrap).
-    Done,
+pub enum Prefilled<T> {
+    /// The prefiller answered 2xx: what the leg read from it ([`Leg::Answer`]).
+    Ready(T),
     /// The prefiller refused the request itself (4xx): the client gets that answer as is.
     Refused(StatusCode, Bytes),
 }
@@ -96,24 +117,21 @@ pub struct Call<'a> {
     pub headers: &'a HeaderMap,
     /// The rewritten body.
     pub body: Bytes,
-    /// Which connector's leg.
-    pub leg: Leg,
 }
 
 /// Runs the leg. Returns the outcome and the time spent waiting on the prefiller (attempts and
 /// backoff), which is not the proxy's own overhead.
-pub async fn run(
+pub async fn run<L: Leg>(
     client: &Upstream,
     config: &PrefillConfig,
     metrics: &ProxyMetrics,
     call: Call<'_>,
-) -> (Result<Prefilled, ProxyError>, Duration) {
+) -> (Result<Prefilled<L::Answer>, ProxyError>, Duration) {
     let Call {
         prefiller,
         path,
         headers,
         body,
-        leg,
     } = call;
     let started = Instant::now();
     let mut retrier = Retrier::new(config.retry);
@@ -122,7 +140,7 @@ pub async fn run(
         metrics.prefill_attempt();
         let result = tokio::time::timeout(
             config.timeout,
-            once(client, config, prefiller, path, headers, body.clone(), leg),
+            once::<L>(client, config, prefiller, path, headers, body.clone()),
         )
         .await
         .unwrap_or_else(|_| {
@@ -140,7 +158,7 @@ pub async fn run(
         if let Some((status, body)) = err.refused {
             return (Ok(Prefilled::Refused(status, body)), started.elapsed());
         }
-        let step = if leg.may_retry(err.failure) {
+        let step = if L::may_retry(err.failure) {
             retrier.after_failure(err.failure)
         } else {
             Step::GiveUp
@@ -159,15 +177,14 @@ pub async fn run(
     }
 }
 
-async fn once(
+async fn once<L: Leg>(
     client: &Upstream,
     config: &PrefillConfig,
     prefiller: SocketAddr,
     path: &str,
     headers: &HeaderMap,
     body: Bytes,
-    leg: Leg,
-) -> Result<Prefilled, AttemptError> {
+) -> Result<Prefilled<L::Answer>, AttemptError> {
     let uri: Uri = format!("http://{prefiller}{path}")
         .parse()
         .map_err(|e| AttemptError::new(Failure::Connect, format!("bad prefiller URI: {e}")))?;
@@ -221,12 +238,9 @@ async fn once(
         }
         return Err(err);
     }
-    match leg {
-        Leg::Nixl => rewrite::transfer_params(&bytes)
-            .map(Prefilled::Params)
-            .map_err(|e| AttemptError::new(Failure::BadResponse, e.to_string())),
-        Leg::Bootstrap => Ok(Prefilled::Done),
-    }
+    L::read(&bytes)
+        .map(Prefilled::Ready)
+        .map_err(|reason| AttemptError::new(Failure::BadResponse, reason))
 }
 
 /// An error and its causes on one line (`a: b: c`).
@@ -254,11 +268,11 @@ mod tests {
     #[test]
     fn bootstrap_legs_retry_only_what_never_reached_the_prefiller() {
         for f in Failure::ALL {
-            assert_eq!(Leg::Nixl.may_retry(f), f.retryable(), "{f:?}");
+            assert_eq!(Nixl::may_retry(f), f.retryable(), "{f:?}");
         }
         let retried: Vec<Failure> = Failure::ALL
             .into_iter()
-            .filter(|f| Leg::Bootstrap.may_retry(*f))
+            .filter(|f| Bootstrap::may_retry(*f))
             .collect();
         assert_eq!(
             retried,

@@ -6,7 +6,7 @@
 //!    `bootstrap_port` (`--sglang-bootstrap-port`) and a random 63-bit `bootstrap_room`
 //!    ([`super::bootstrap`]); `stream`, `max_tokens` and the rest stay as the client sent them;
 //! 3. both legs sent **at once**: the prefill leg to the prefiller (retried only while it cannot
-//!    have started, see [`Leg::Bootstrap`]) and the decode leg to the local engine;
+//!    have started, see [`Bootstrap`](super::prefill::Bootstrap)) and the decode leg to the local engine;
 //! 4. which answer the client gets is decided by [`Dual`]: the decode answer is released only
 //!    once the prefill leg succeeded — as sgl-router does — and then relayed frame by frame (SSE
 //!    never buffered). If the prefill leg fails, the client gets 502 naming the prefiller and
@@ -27,7 +27,7 @@ use super::dual::{DecodeHead, Dual, PrefillEnd, Verdict};
 use super::error::ProxyError;
 use super::handler::{ProxyState, engine_error, engine_uri, prepare, refused, relay};
 use super::metrics::{InFlight, Mode};
-use super::prefill::{self, Leg, Prefilled};
+use super::prefill::{self, Bootstrap, Prefilled};
 use super::rewrite;
 
 /// Runs the flow for a request naming `prefiller`.
@@ -60,9 +60,9 @@ pub async fn run(
         path: &path,
         headers: &prefill_headers,
         body: bytes.clone(),
-        leg: Leg::Bootstrap,
     };
-    let prefill_leg = prefill::run(&state.client, &state.prefill, &state.metrics, call);
+    let prefill_leg =
+        prefill::run::<Bootstrap>(&state.client, &state.prefill, &state.metrics, call);
     parts.uri = engine_uri(state, &parts.uri)?;
     parts
         .headers
@@ -81,7 +81,7 @@ pub async fn run(
             (outcome, _) = &mut prefill_leg, if !prefill_ended => {
                 prefill_ended = true;
                 match outcome {
-                    Ok(Prefilled::Done | Prefilled::Params(_)) => dual.prefill(PrefillEnd::Done),
+                    Ok(Prefilled::Ready(())) => dual.prefill(PrefillEnd::Done),
                     Ok(Prefilled::Refused(status, body)) => {
                         refusal = Some(refused(status, body));
                         dual.prefill(PrefillEnd::Refused)
