@@ -13,6 +13,7 @@
 //! | `KVGATE_BENCH_WRITER_SECS` | 2 | least seconds of lookups under the writer |
 //! | `KVGATE_BENCH_NAIVE` | 1 | also run the naive model (0: skip) |
 //! | `KVGATE_BENCH_SPEC_CALLS` | 20000 | `speculate` calls in the speculation run |
+//! | `KVGATE_BENCH_SHARDS` | the index's default | shards of every index built (also the mooncake bench) |
 //!
 //! Memory is counted by a wrapping global allocator: bytes live after building the index
 //! minus bytes live before, per resident (block, holder) entry.
@@ -36,9 +37,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cap::Cap;
-use common::{Rng, env_usize, mix, percentiles, report};
+use common::{Rng, env_usize, index_config, mix, percentiles, report};
 use kv_events::{BlockKey, KvEvent, Tier};
-use kv_index::{EndpointId, Holder, IndexConfig, KvIndex};
+use kv_index::{EndpointId, Holder, KvIndex};
 use mimalloc::MiMalloc;
 
 const SHARED_LEN: usize = 64;
@@ -101,11 +102,7 @@ fn bench_apply() {
         .flat_map(|(_, e)| e)
         .map(KvEvent::key_count)
         .sum();
-    let idx = KvIndex::new(IndexConfig {
-        shards: 16,
-        capacity: 1 << 30,
-    })
-    .unwrap();
+    let idx = KvIndex::new(index_config(1 << 30)).unwrap();
     let t = Instant::now();
     for (h, evs) in &work {
         idx.apply(*h, evs);
@@ -215,26 +212,28 @@ fn bench_lookup() {
     let lookups = env_usize("KVGATE_BENCH_LOOKUPS", 20_000);
     let pop = population(endpoints, entries, prompt, prefixes, 2);
     let mem0 = ALLOC.allocated();
-    let idx = Arc::new(
-        KvIndex::new(IndexConfig {
-            shards: 16,
-            capacity: 1 << 30,
-        })
-        .unwrap(),
-    );
+    let idx = Arc::new(KvIndex::new(index_config(1 << 30)).unwrap());
     let t = Instant::now();
+    // The longest single `apply`: a shard's table doubling under its exclusive lock, which
+    // every lookup needing that shard waits for (so it grows with the shard's size).
+    let mut longest = Duration::ZERO;
     for (e, keys) in &pop.chains {
-        idx.apply(Holder::Endpoint(ep(*e)), &[stored(keys.clone())]);
+        let event = [stored(keys.clone())];
+        let one = Instant::now();
+        idx.apply(Holder::Endpoint(ep(*e)), &event);
+        longest = longest.max(one.elapsed());
     }
     let build = t.elapsed();
     let st = idx.stats();
     let mem = ALLOC.allocated().saturating_sub(mem0);
     let per_entry = mem as f64 / st.residencies as f64;
     report(&format!(
-        "build: {} residencies, {} blocks in {:.2} s; memory: allocator {} MB live = {:.1} B/residency (tables' own estimate {:.1} B)",
+        "build: {} residencies, {} blocks in {:.2} s (longest apply {:.1} ms, {} shards); memory: allocator {} MB live = {:.1} B/residency (tables' own estimate {:.1} B)",
         st.residencies,
         st.blocks,
         build.as_secs_f64(),
+        longest.as_secs_f64() * 1e3,
+        index_config(0).shards,
         mem >> 20,
         per_entry,
         st.heap_bytes as f64 / st.residencies as f64
@@ -349,11 +348,7 @@ fn bench_speculate() {
     let endpoints = env_usize("KVGATE_BENCH_SOURCES", 256);
     let calls = env_usize("KVGATE_BENCH_SPEC_CALLS", 20_000);
     const KEYS: usize = 128;
-    let idx = KvIndex::new(IndexConfig {
-        shards: 16,
-        capacity: 1 << 30,
-    })
-    .unwrap();
+    let idx = KvIndex::new(index_config(1 << 30)).unwrap();
     let pop = population(endpoints, 1 << 20, 512, 1024, 7);
     for (e, keys) in &pop.chains {
         idx.apply(Holder::Endpoint(ep(*e)), &[stored(keys.clone())]);

@@ -24,7 +24,7 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{env_usize, mix, percentiles, report};
+use common::{env_usize, index_config, mix, percentiles, report};
 use kv_events::{BlockKey, KvEvent, Tier};
 use kv_index::{ApproxTracker, EndpointId, Holder, IndexConfig, KvIndex, Millis};
 
@@ -71,7 +71,7 @@ fn load() -> Vec<Vec<BlockKey>> {
 }
 
 fn replay(prompts: &[Vec<BlockKey>], policy: &str, capacity: usize) {
-    let idx = KvIndex::new(IndexConfig::default()).unwrap();
+    let idx = KvIndex::new(index_config(IndexConfig::default().capacity)).unwrap();
     let mut engines = ApproxTracker::new(Millis(u64::MAX / 4), capacity);
     let cands: Vec<EndpointId> = (0..ENGINES as u32)
         .map(|e| EndpointId::new(e).unwrap())

@@ -660,6 +660,8 @@ impl KvIndex {
             // Where the last key fed sits in some holder's run log: the next keys are read
             // from there while they match.
             let mut cursor: Option<(u32, u32)> = None;
+            // Whether the cursor was taken from a block with several holders.
+            let mut shared = false;
             'walk: while done < keys.len() && m.wants_more() {
                 // Follow the cursor: feed the keys its log knows, then let it name the keys
                 // to probe next (blocks it shares), so the batch stops where its next run
@@ -672,6 +674,15 @@ impl KvIndex {
                     && let Some(log) = log.try_read()
                 {
                     let rest = keys.get(done..).unwrap_or_default();
+                    if shared {
+                        // The log's next entry is a miss of its own, and after a shared block
+                        // the log is one of its holders', which mostly goes elsewhere: load
+                        // the next probe batch's home slots now, so their misses overlap it.
+                        // (After the lock above: a locked instruction waits for every earlier
+                        // load.)
+                        let next = rest.get(..NEXT_BATCH.min(rest.len()));
+                        self.touch_homes(&reader, next, &mut loaded);
+                    }
                     let mut ended = false;
                     let base = done;
                     let n = log.walk_changes(pos, rest, |j, bits| {
@@ -794,6 +805,7 @@ impl KvIndex {
                     }
                 }
                 cursor = fed.and_then(|(t, slot)| t.cursor(slot, planner));
+                shared = fed.is_some_and(|(t, slot)| t.sole(slot).is_none());
                 batch = if std::mem::take(&mut first) {
                     NEXT_BATCH
                 } else {
@@ -804,6 +816,20 @@ impl KvIndex {
             drop(reader);
             m.finish(u32::try_from(done).unwrap_or(u32::MAX), candidates, out);
         });
+    }
+
+    /// Loads the home slot of each key whose shard `reader` holds (into `sink`, so the loads
+    /// happen and their misses overlap whatever follows).
+    fn touch_homes(&self, reader: &Reader<'_>, keys: Option<&[BlockKey]>, sink: &mut [u64]) {
+        for (&key, l) in keys.unwrap_or_default().iter().zip(sink.iter_mut()) {
+            if let Some(r) = reader
+                .held(self.shard_of(key))
+                .and_then(|s| s.table().home_ref(key.0).1)
+            {
+                *l = *r;
+            }
+        }
+        std::hint::black_box(&*sink);
     }
 
     /// Counts of blocks, residencies and evictions, and the tables' size.

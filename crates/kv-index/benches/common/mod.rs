@@ -39,6 +39,16 @@ pub fn env_usize(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// The index configuration every bench builds: the default, with the shard count from
+/// `KVGATE_BENCH_SHARDS` when set, and `capacity` residencies.
+pub fn index_config(capacity: usize) -> kv_index::IndexConfig {
+    let default = kv_index::IndexConfig::default();
+    kv_index::IndexConfig {
+        shards: env_usize("KVGATE_BENCH_SHARDS", default.shards),
+        capacity,
+    }
+}
+
 /// (p50, p99, max) of a sample set, in nanoseconds.
 pub fn percentiles(samples: &mut [Duration]) -> (u128, u128, u128) {
     samples.sort_unstable();
