@@ -214,8 +214,8 @@ fn bench_lookup() {
     let mem0 = ALLOC.allocated();
     let idx = Arc::new(KvIndex::new(index_config(1 << 30)).unwrap());
     let t = Instant::now();
-    // The longest single `apply`: a shard's table doubling under its exclusive lock, which
-    // every lookup needing that shard waits for (so it grows with the shard's size).
+    // The longest single `apply`: where a shard's table doubles under its exclusive lock,
+    // which every lookup needing that shard waits for (or where the host stalled the thread).
     let mut longest = Duration::ZERO;
     for (e, keys) in &pop.chains {
         let event = [stored(keys.clone())];
