@@ -7,7 +7,7 @@ use std::io::{BufReader, BufWriter, Write as _};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use engine_model::{EngineStats, Preset};
+use engine_model::{EngineConfig, EngineStats, Preset};
 use replay::{CacheAwareConfig, MS, ReplayConfig, ReplayOutput, ReplayPolicy, replay};
 use scheduler::SchedulerConfig;
 use workload::{
@@ -37,6 +37,14 @@ pub struct ReplayArgs {
     /// Engine preset (`h200-llama70b-fp8`, `h100x4-llama70b-tp4`, `small`).
     #[arg(long, default_value = "h200-llama70b-fp8")]
     pub preset: Preset,
+    /// Host (CPU) memory per engine for KV offloading, GiB (vLLM's `--kv-offloading-size`,
+    /// Dynamo KVBM's G2): every block the GPU caches is copied there (least recently used
+    /// dropped), and a prompt's blocks found there load back at PCIe speed instead of being
+    /// recomputed; the engines publish them as host-tier blocks, which the `kv` policy credits
+    /// at its `host` weight. 0: no offloading (the presets' default). Every policy of the run
+    /// gets the same engines.
+    #[arg(long, default_value_t = 0.0)]
+    pub kv_offloading_gib: f64,
     /// Policies, one run each (comma-separated): the EPP's (`kv`, `round-robin`, `random`,
     /// `least-load`, `prefix-only`), or `sglang-cache-aware`, a model of the cache-aware
     /// policy of SGLang's router, smg and vLLM's router (approximate tree from routing
@@ -240,7 +248,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), ReplayCmdError> {
     let mut notes = Vec::new();
     for plan in &plans {
         for &policy in &args.policy {
-            let mut config = ReplayConfig::new(args.engines, args.preset.config());
+            let mut config = ReplayConfig::new(args.engines, engine_config(args)?);
             config.run = policy.to_string();
             config.load = Some(plan.load);
             match policy {
@@ -282,6 +290,14 @@ pub fn run(args: &ReplayArgs) -> Result<(), ReplayCmdError> {
     Ok(())
 }
 
+/// The preset's engine configuration with `--kv-offloading-gib` turned into host blocks.
+fn engine_config(args: &ReplayArgs) -> Result<EngineConfig, ReplayCmdError> {
+    let mut c = args.preset.config();
+    c.set_offloading_gib(args.kv_offloading_gib)
+        .map_err(|e| ReplayCmdError::Options(format!("--kv-offloading-gib: {e}")))?;
+    Ok(c)
+}
+
 fn write_records(out: &mut impl std::io::Write, records: &[RequestRecord]) -> std::io::Result<()> {
     for r in records {
         serde_json::to_writer(&mut *out, r)?;
@@ -298,11 +314,14 @@ fn note(policy: ReplayPolicy, load: f64, r: &ReplayOutput, wall: Duration) -> St
         .iter()
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
+    let host_hits: u64 = r.engines.iter().map(|e| e.host_hit_tokens).sum();
+    let queried: u64 = r.engines.iter().map(|e| e.prefix_cache_queries).sum();
     format!(
-        "{policy} @ {load}: engine prefix hit {:.1}%, {} requests, {} steps, {} events, \
-         virtual {:.0} s, wall {:.2} s, preemptions {preemptions}, normalise errors {}, \
-         reasons [{}]",
+        "{policy} @ {load}: engine prefix hit {:.1}% (+{:.1}% loaded from host), {} requests, \
+         {} steps, {} events, virtual {:.0} s, wall {:.2} s, preemptions {preemptions}, \
+         normalise errors {}, reasons [{}]",
         100.0 * engine_hit_rate(&r.engines),
+        100.0 * host_hits as f64 / queried.max(1) as f64,
         r.records.len(),
         r.steps,
         r.events,
@@ -373,6 +392,35 @@ mod tests {
         }
         let zero = args(&["--workload", "doks", "--concurrency", "0"]);
         assert!(matches!(plans(&zero), Err(ReplayCmdError::Options(_))));
+    }
+
+    #[test]
+    fn offloading_gib_become_host_blocks_of_the_preset() {
+        let off = engine_config(&args(&["--workload", "mooncake", "--preset", "small"])).unwrap();
+        assert_eq!(off.num_host_blocks, 0);
+        let on = engine_config(&args(&[
+            "--workload",
+            "mooncake",
+            "--preset",
+            "small",
+            "--kv-offloading-gib",
+            "64",
+        ]))
+        .unwrap();
+        let block = on.kv_bytes_per_token * u64::from(on.block_size);
+        assert_eq!(u64::from(on.num_host_blocks), (64u64 << 30) / block);
+        on.validate().unwrap();
+        for bad in [
+            "--kv-offloading-gib=-1",
+            "--kv-offloading-gib=NaN",
+            "--kv-offloading-gib=1e30",
+        ] {
+            let a = args(&["--workload", "mooncake", bad]);
+            assert!(
+                matches!(engine_config(&a), Err(ReplayCmdError::Options(_))),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -266,6 +266,117 @@ fn event_stream_accounts_for_every_block() {
     assert_eq!(sim.metric("kvgate_sim_cached_blocks"), 0.0);
 }
 
+/// With `--kv-offloading-size`, the blocks the GPU caches are copied to the host tier and
+/// published as vLLM's offloading connector does (`BlockStored` with the `CPU` medium, hashes
+/// only), which the normaliser turns into host-tier residencies of the same keys; a prompt whose
+/// blocks the GPU evicted is served from the host tier (every full block counted as cached).
+#[test]
+fn offloaded_blocks_are_published_with_the_cpu_medium_and_served_back() {
+    use kv_events::Tier;
+    use kv_events::event::KvEvent;
+    use kv_events::tier::Medium;
+    let [p, r] = free_ports::<2>();
+    let config = events_config(p, r, None);
+    // `small`: 128 KiB of KV per token, so 2 MiB blocks of 16 tokens; 1 GiB holds 512.
+    let sim = Sim::start(&[
+        "--model",
+        "m",
+        "--preset",
+        "small",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks",
+        "40",
+        "--max-model-len",
+        "512",
+        "--time-scale",
+        "50",
+        "--kv-offloading-size",
+        "1",
+        "--kv-events-config",
+        &config,
+    ]);
+    let ctx = zmq::Context::new();
+    let sub = subscriber(&ctx, p);
+    let prompt = |i: usize| format!("{}", format!("unique-{i:03}-").repeat(16));
+    let complete = |i: usize| {
+        let body = json!({"prompt": prompt(i), "max_tokens": 4, "ignore_eos": true});
+        let r = support::try_request(
+            sim.port,
+            "POST",
+            "/v1/completions",
+            Some(body.to_string().as_bytes()),
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    };
+    // Twenty distinct 176-byte prompts (44 tokens with the byte tokenizer: two full blocks,
+    // three with the output): 60 blocks through a 39-block GPU cache, so the first prompts'
+    // blocks are evicted.
+    for i in 0..20 {
+        complete(i);
+    }
+    let first = complete(0);
+    let cached = first["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(cached, 32, "both full blocks served again: {first}");
+    let live = drain(&sub, Duration::from_millis(700));
+    let mut normalizer = Normalizer::new(NormalizerConfig::new("m", 16));
+    let (mut gpu, mut host) = (HashSet::new(), HashSet::new());
+    let (mut gpu_removed, mut host_stores) = (0, 0);
+    let mut host_keys = 0;
+    for parts in &live {
+        let batch = decode_batch(KvFrame::from_parts(parts).unwrap().payload).unwrap();
+        for e in &batch.events {
+            match e {
+                EngineEvent::BlockStored(s) if s.medium == Some(Medium::Cpu) => {
+                    assert!(s.token_ids.is_empty(), "host copies carry hashes only");
+                    for h in &s.block_hashes {
+                        assert!(
+                            gpu.contains(&h.0),
+                            "host copy of a block the GPU never cached"
+                        );
+                        assert!(host.insert(h.0), "host copy published twice");
+                        host_stores += 1;
+                    }
+                }
+                EngineEvent::BlockStored(s) => {
+                    assert_eq!(s.medium, Some(Medium::Gpu));
+                    gpu.extend(s.block_hashes.iter().map(|h| h.0));
+                }
+                EngineEvent::BlockRemoved(rm) if rm.medium == Some(Medium::Cpu) => {
+                    panic!("nothing should leave a 512-block host tier: {rm:?}");
+                }
+                EngineEvent::BlockRemoved(_) => gpu_removed += 1,
+                other => panic!("unexpected {other:?}"),
+            }
+            let mut out = Vec::new();
+            normalizer.apply(e, &mut out).unwrap();
+            host_keys += out
+                .iter()
+                .filter_map(|k| match k {
+                    KvEvent::Stored {
+                        keys,
+                        tier: Tier::Host,
+                        ..
+                    } => Some(keys.len()),
+                    _ => None,
+                })
+                .sum::<usize>();
+        }
+    }
+    assert!(gpu_removed > 0, "the test must evict from the GPU");
+    assert!(host_stores >= 40, "{host_stores}");
+    assert_eq!(
+        host_keys, host_stores,
+        "every host copy resolves to its key"
+    );
+    assert_eq!(sim.metric("kvgate_sim_host_blocks"), host.len() as f64);
+    assert!(sim.metric("kvgate_sim_host_hit_tokens_total") > 0.0);
+}
+
 #[test]
 fn array_format_and_salt_are_what_vllm_0_23_consumers_expect() {
     let [p, r] = free_ports::<2>();

@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 
 use crate::free_queue::FreeQueue;
+use crate::host_cache::HostCache;
 use crate::{BlockId, CacheEvent, RequestId};
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -31,12 +32,15 @@ pub(crate) struct BlockPool {
     /// Hash → the blocks cached under it, first cached first.
     cached: HashMap<u64, Vec<BlockId>>,
     caching: bool,
+    /// The offloading connector's host tier (write-through; empty when off).
+    host: HostCache,
     events: Vec<CacheEvent>,
 }
 
 impl BlockPool {
-    /// A pool of `num_gpu_blocks` blocks (the null block included), all free.
-    pub(crate) fn new(num_gpu_blocks: u32, caching: bool) -> Self {
+    /// A pool of `num_gpu_blocks` blocks (the null block included), all free, and a host tier
+    /// of `num_host_blocks` (0: no offloading; only with caching on).
+    pub(crate) fn new(num_gpu_blocks: u32, caching: bool, num_host_blocks: u32) -> Self {
         let n = num_gpu_blocks as usize;
         let mut free = FreeQueue::new(n);
         for id in 1..num_gpu_blocks {
@@ -47,8 +51,29 @@ impl BlockPool {
             free,
             cached: HashMap::new(),
             caching,
+            host: HostCache::new(if caching { num_host_blocks } else { 0 }),
             events: Vec::new(),
         }
+    }
+
+    /// How many of `hashes`, from the first, the host tier holds (at most `max`); makes them its
+    /// most recent (a load is a use).
+    pub(crate) fn host_hits(&mut self, hashes: &[u64], max: usize) -> usize {
+        let n = self.host.leading(hashes, max);
+        for &h in hashes.iter().take(n) {
+            self.host.touch(h);
+        }
+        n
+    }
+
+    /// Blocks in the host tier.
+    pub(crate) fn num_host(&self) -> usize {
+        self.host.len()
+    }
+
+    /// Every hash in the host tier, sorted.
+    pub(crate) fn host_hashes(&self) -> Vec<u64> {
+        self.host.hashes()
     }
 
     /// Blocks that requests can use (all but the null block).
@@ -188,12 +213,14 @@ impl BlockPool {
             .map(<[u32]>::to_vec)
             .unwrap_or_default();
         self.events.push(CacheEvent::Stored {
-            hashes: stored,
+            hashes: stored.clone(),
             parent,
             token_ids,
             request: req.id,
             first_block_index: u32::try_from(from).unwrap_or(u32::MAX),
         });
+        // Write-through: the offloading connector copies what the GPU just cached.
+        self.host.store(&stored, &mut self.events);
     }
 
     /// Drops every cached hash when no block is in use (vLLM `reset_prefix_cache`); returns
@@ -206,6 +233,7 @@ impl BlockPool {
             block.hash = None;
         }
         self.cached.clear();
+        self.host.clear();
         self.events.push(CacheEvent::Cleared);
         true
     }
@@ -309,7 +337,7 @@ mod tests {
 
     #[test]
     fn block_zero_is_reserved() {
-        let mut pool = BlockPool::new(4, true);
+        let mut pool = BlockPool::new(4, true, 0);
         assert_eq!(pool.usable(), 3);
         let got = pool.allocate(3).unwrap();
         assert_eq!(got, vec![1, 2, 3]);
@@ -319,7 +347,7 @@ mod tests {
 
     #[test]
     fn freeing_puts_the_tail_first_in_eviction_order() {
-        let mut pool = BlockPool::new(5, true);
+        let mut pool = BlockPool::new(5, true, 0);
         let blocks = pool.allocate(3).unwrap();
         pool.cache_full_blocks(req(&blocks, &[10, 11, 12], &[0; 6]), 0, 3);
         pool.take_events();
@@ -336,7 +364,7 @@ mod tests {
 
     #[test]
     fn duplicates_are_cached_twice_and_evicted_separately() {
-        let mut pool = BlockPool::new(3, true);
+        let mut pool = BlockPool::new(3, true, 0);
         let a = pool.allocate(1).unwrap();
         let b = pool.allocate(1).unwrap();
         pool.cache_full_blocks(req(&a, &[7], &[1, 2]), 0, 1);
@@ -361,7 +389,7 @@ mod tests {
 
     #[test]
     fn touching_a_free_hit_takes_it_out_of_the_queue() {
-        let mut pool = BlockPool::new(3, true);
+        let mut pool = BlockPool::new(3, true, 0);
         let a = pool.allocate(1).unwrap();
         pool.cache_full_blocks(req(&a, &[5], &[1, 2]), 0, 1);
         pool.free_blocks(&a);
@@ -380,7 +408,7 @@ mod tests {
 
     #[test]
     fn reset_only_when_idle() {
-        let mut pool = BlockPool::new(3, true);
+        let mut pool = BlockPool::new(3, true, 0);
         let a = pool.allocate(1).unwrap();
         pool.cache_full_blocks(req(&a, &[5], &[1, 2]), 0, 1);
         pool.take_events();
@@ -394,7 +422,7 @@ mod tests {
 
     #[test]
     fn caching_off_stores_nothing() {
-        let mut pool = BlockPool::new(3, false);
+        let mut pool = BlockPool::new(3, false, 0);
         let a = pool.allocate(1).unwrap();
         pool.cache_full_blocks(req(&a, &[5], &[1, 2]), 0, 1);
         assert!(pool.take_events().is_empty());
@@ -403,7 +431,7 @@ mod tests {
 
     #[test]
     fn check_detects_a_wrong_ref_count() {
-        let mut pool = BlockPool::new(3, true);
+        let mut pool = BlockPool::new(3, true, 0);
         let a = pool.allocate(1).unwrap();
         assert!(pool.check(&HashMap::new()).is_err());
         let mut expected = HashMap::new();

@@ -28,8 +28,23 @@ pub struct EngineConfig {
     pub kv_bytes_per_token: u64,
     /// Bytes/s at which a remote engine's KV blocks arrive (P/D disaggregation).
     pub kv_transfer_bandwidth: u64,
+    /// Blocks of host (CPU) memory a KV offloading connector keeps (vLLM's
+    /// `--kv-offloading-size`, Dynamo KVBM's G2 tier); 0 = no offloading. Write-through: every
+    /// block the GPU caches is copied there too, the least recently used is dropped.
+    #[serde(default)]
+    pub num_host_blocks: u32,
+    /// Bytes/s at which offloaded blocks load back into GPU memory (PCIe host → device).
+    #[serde(default = "default_host_load_bandwidth")]
+    pub host_load_bandwidth: u64,
     /// The step-cost model.
     pub cost: CostModel,
+}
+
+/// PCIe Gen5 x16 host → device with pinned buffers, as achieved (not the 64 GB/s line rate).
+pub(crate) const PCIE5_H2D_BYTES_PER_S: u64 = 50_000_000_000;
+
+fn default_host_load_bandwidth() -> u64 {
+    PCIE5_H2D_BYTES_PER_S
 }
 
 /// A configuration the engine cannot run with.
@@ -61,6 +76,12 @@ pub enum ConfigError {
         /// Tokens the usable blocks hold.
         capacity: u64,
     },
+    /// A KV offloading size that is negative, not a number, or more blocks than a `u32`.
+    #[error("KV offloading size {gib} GiB must be a non-negative number of at most 2^32 blocks")]
+    OffloadingSize {
+        /// The requested size, GiB.
+        gib: f64,
+    },
     /// The cost model is invalid.
     #[error(transparent)]
     Cost(#[from] CostError),
@@ -74,6 +95,7 @@ impl ConfigError {
             Self::TooFewBlocks(_) => "too_few_blocks",
             Self::BudgetBelowSeqs { .. } => "budget_below_seqs",
             Self::ModelLenExceedsCache { .. } => "model_len_exceeds_cache",
+            Self::OffloadingSize { .. } => "offloading_size",
             Self::Cost(e) => e.metric_label(),
         }
     }
@@ -92,6 +114,7 @@ impl EngineConfig {
             ("max_model_len", u64::from(self.max_model_len)),
             ("kv_bytes_per_token", self.kv_bytes_per_token),
             ("kv_transfer_bandwidth", self.kv_transfer_bandwidth),
+            ("host_load_bandwidth", self.host_load_bandwidth),
         ] {
             if value == 0 {
                 return Err(ConfigError::Zero { field });
@@ -114,6 +137,18 @@ impl EngineConfig {
             });
         }
         self.cost.validate()?;
+        Ok(())
+    }
+
+    /// Sets the host tier to `gib` GiB of this engine's KV blocks (vLLM's
+    /// `--kv-offloading-size`); 0 turns offloading off.
+    pub fn set_offloading_gib(&mut self, gib: f64) -> Result<(), ConfigError> {
+        let block_bytes = (self.kv_bytes_per_token * u64::from(self.block_size)).max(1) as f64;
+        let blocks = (gib * f64::from(1u32 << 30) / block_bytes).floor();
+        if !(gib.is_finite() && gib >= 0.0 && blocks <= f64::from(u32::MAX)) {
+            return Err(ConfigError::OffloadingSize { gib });
+        }
+        self.num_host_blocks = blocks as u32;
         Ok(())
     }
 
@@ -171,6 +206,28 @@ mod tests {
         let mut c = small();
         c.kv_transfer_bandwidth = 0;
         assert!(c.validate().is_err());
+        let mut c = small();
+        c.set_offloading_gib(1.0).unwrap();
+        assert_eq!(
+            u64::from(c.num_host_blocks),
+            (1u64 << 30) / (c.kv_bytes_per_token * u64::from(c.block_size))
+        );
+        c.set_offloading_gib(0.0).unwrap();
+        assert_eq!(c.num_host_blocks, 0);
+        for gib in [-1.0, f64::NAN, f64::INFINITY, 1e30] {
+            assert_eq!(
+                c.set_offloading_gib(gib).unwrap_err().metric_label(),
+                "offloading_size"
+            );
+        }
+        let mut c = small();
+        c.host_load_bandwidth = 0;
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::Zero {
+                field: "host_load_bandwidth"
+            })
+        );
         let mut c = small();
         c.cost.flops_per_second = 0.0;
         assert_eq!(c.validate().unwrap_err().metric_label(), "bad_rate");

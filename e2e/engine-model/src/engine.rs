@@ -35,6 +35,8 @@ pub(crate) struct Counters {
     pub(crate) num_preemptions: u64,
     pub(crate) prompt_tokens: u64,
     pub(crate) generation_tokens: u64,
+    /// Tokens loaded from the host tier instead of computed.
+    pub(crate) host_hits: u64,
 }
 
 impl Counters {
@@ -56,7 +58,11 @@ impl Engine {
     pub fn new(config: EngineConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         Ok(Self {
-            pool: BlockPool::new(config.num_gpu_blocks, config.enable_prefix_caching),
+            pool: BlockPool::new(
+                config.num_gpu_blocks,
+                config.enable_prefix_caching,
+                config.num_host_blocks,
+            ),
             config,
             requests: HashMap::new(),
             running: Vec::new(),
@@ -224,6 +230,8 @@ impl Engine {
             total_blocks: to_u32(total),
             prompt_tokens: self.counters.prompt_tokens,
             generation_tokens: self.counters.generation_tokens,
+            host_blocks: to_u32(self.pool.num_host()),
+            host_hit_tokens: self.counters.host_hits,
         }
     }
 
@@ -232,6 +240,13 @@ impl Engine {
     #[doc(hidden)]
     pub fn cached_hashes(&self) -> Vec<u64> {
         self.pool.cached_hashes()
+    }
+
+    /// Every hash in the offloading connector's host tier, sorted (for tests that rebuild it
+    /// from the event stream).
+    #[doc(hidden)]
+    pub fn host_hashes(&self) -> Vec<u64> {
+        self.pool.host_hashes()
     }
 
     /// Checks internal consistency: every block's reference count equals the number of live

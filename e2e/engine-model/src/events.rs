@@ -1,9 +1,9 @@
 //! KV-cache events, as vLLM's `KVEventBatch` carries them (`BlockStored`, `BlockRemoved`,
-//! `AllBlocksCleared`), before any wire encoding.
+//! `AllBlocksCleared`; GPU or, with offloading, CPU medium), before any wire encoding.
 
 use crate::RequestId;
 
-/// One change to the set of cached (hashed) blocks on the GPU.
+/// One change to the set of cached (hashed) blocks on the GPU or in the host tier.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CacheEvent {
     /// Full blocks of one request became cached (vLLM `BlockStored`): emitted when a scheduling
@@ -27,6 +27,18 @@ pub enum CacheEvent {
         /// The evicted block's hash.
         hashes: Vec<u64>,
     },
-    /// The whole prefix cache was dropped (`/reset_prefix_cache`; vLLM `AllBlocksCleared`).
+    /// Blocks were copied to the host (CPU) tier of the offloading connector (vLLM publishes a
+    /// `BlockStored` with the `CPU` medium and no token ids), in block order.
+    HostStored {
+        /// The blocks' hashes (the same hashes as on the GPU).
+        hashes: Vec<u64>,
+    },
+    /// A block was dropped from the host tier (`BlockRemoved`, `CPU` medium; one hash).
+    HostRemoved {
+        /// The dropped block's hash.
+        hashes: Vec<u64>,
+    },
+    /// The whole prefix cache was dropped, host tier included (`/reset_prefix_cache`; vLLM
+    /// `AllBlocksCleared`).
     Cleared,
 }

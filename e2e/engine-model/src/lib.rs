@@ -48,6 +48,7 @@ mod engine;
 mod events;
 mod free_queue;
 mod hash;
+mod host_cache;
 mod output;
 mod preset;
 mod request;

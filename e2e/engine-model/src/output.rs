@@ -114,4 +114,9 @@ pub struct EngineStats {
     pub prompt_tokens: u64,
     /// Generated tokens (`vllm:generation_tokens`).
     pub generation_tokens: u64,
+    /// Blocks in the offloading connector's host tier (0 when offloading is off).
+    pub host_blocks: u32,
+    /// Prompt tokens loaded from the host tier instead of computed (in each request's
+    /// `num_cached_tokens` too, as vLLM counts connector hits).
+    pub host_hit_tokens: u64,
 }

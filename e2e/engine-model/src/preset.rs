@@ -122,6 +122,9 @@ impl Preset {
             long_prefill_token_threshold: 0,
             kv_bytes_per_token: d.kv_bytes_per_token(),
             kv_transfer_bandwidth: t.kv_transfer_bandwidth,
+            // Offloading is a deployment choice (`--kv-offloading-size`): off in every preset.
+            num_host_blocks: 0,
+            host_load_bandwidth: crate::config::PCIE5_H2D_BYTES_PER_S,
             cost,
         }
     }

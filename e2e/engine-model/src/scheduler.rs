@@ -256,35 +256,34 @@ impl Engine {
                     .record_lookup(queried, hit, req.num_preemptions > 0);
             }
             if let Some(remote) = req.remote_prefill {
-                let local = hits.len() * block_size;
-                let target = (remote as usize).min(req.prompt_len - 1) / block_size * block_size;
-                if target > local {
-                    let need = target / block_size - hits.len();
-                    if !self.pool.can_allocate(&hits, need) {
-                        return Admission::Blocked;
-                    }
-                    self.pool.touch(&hits);
-                    let Some(new) = self.pool.allocate(need) else {
-                        self.pool.free_blocks(&hits);
-                        return Admission::Blocked;
-                    };
-                    req.num_cached_blocks = hits.len();
-                    req.blocks = hits;
-                    req.blocks.extend(new);
-                    req.num_computed = local;
-                    let bytes =
-                        (target - local) as u128 * u128::from(self.config.kv_bytes_per_token);
-                    let rate = u128::from(self.config.kv_transfer_bandwidth.max(1));
-                    let wait = (bytes * 1_000_000_000).div_ceil(rate);
-                    let wait = Nanos::try_from(wait).unwrap_or(Nanos::MAX);
-                    req.phase = Phase::Transferring {
-                        ready_at: now.saturating_add(wait),
-                        target,
-                    };
-                    req.remote_prefill = None;
-                    return Admission::Skipped;
-                }
                 req.remote_prefill = None;
+                let target = (remote as usize).min(req.prompt_len - 1) / block_size * block_size;
+                if target > hits.len() * block_size {
+                    let load = Load {
+                        hits,
+                        target,
+                        bandwidth: self.config.kv_transfer_bandwidth,
+                    };
+                    return start_load(&mut self.pool, req, load, &self.config, now);
+                }
+            } else if self.pool.caching() {
+                // The offloading connector's host tier: the blocks right after the GPU hit
+                // that it holds load before the request is scheduled (vLLM's
+                // `WAITING_FOR_REMOTE_KVS`), and count as computed.
+                let max_blocks = (req.num_tokens() - 1) / block_size;
+                let after = req.hashes.get(hits.len()..).unwrap_or_default();
+                let host = self
+                    .pool
+                    .host_hits(after, max_blocks.saturating_sub(hits.len()));
+                if host > 0 {
+                    self.counters.host_hits += (host * block_size) as u64;
+                    let load = Load {
+                        target: (hits.len() + host) * block_size,
+                        hits,
+                        bandwidth: self.config.host_load_bandwidth,
+                    };
+                    return start_load(&mut self.pool, req, load, &self.config, now);
+                }
             }
         }
 
@@ -323,6 +322,52 @@ impl Engine {
         req.phase = Phase::Running;
         Admission::Scheduled(num_new)
     }
+}
+
+/// KV that arrives from outside the GPU before a request runs: a remote prefill's blocks, or
+/// blocks the host tier holds.
+struct Load {
+    /// The request's GPU prefix hit.
+    hits: Vec<crate::BlockId>,
+    /// Tokens computed once the load is done (whole blocks, beyond the hit).
+    target: usize,
+    /// Bytes/s the load runs at.
+    bandwidth: u64,
+}
+
+/// Allocates the blocks `load` fills and puts the request in [`Phase::Transferring`] until its
+/// bytes have arrived; blocked (nothing changed) when the blocks cannot be had.
+fn start_load(
+    pool: &mut BlockPool,
+    req: &mut Request,
+    load: Load,
+    config: &crate::EngineConfig,
+    now: Nanos,
+) -> Admission {
+    let block_size = config.block_size as usize;
+    let local = load.hits.len() * block_size;
+    let need = load.target / block_size - load.hits.len();
+    if !pool.can_allocate(&load.hits, need) {
+        return Admission::Blocked;
+    }
+    pool.touch(&load.hits);
+    let Some(new) = pool.allocate(need) else {
+        pool.free_blocks(&load.hits);
+        return Admission::Blocked;
+    };
+    req.num_cached_blocks = load.hits.len();
+    req.blocks = load.hits;
+    req.blocks.extend(new);
+    req.num_computed = local;
+    let bytes = (load.target - local) as u128 * u128::from(config.kv_bytes_per_token);
+    let rate = u128::from(load.bandwidth.max(1));
+    let wait = (bytes * 1_000_000_000).div_ceil(rate);
+    let wait = Nanos::try_from(wait).unwrap_or(Nanos::MAX);
+    req.phase = Phase::Transferring {
+        ready_at: now.saturating_add(wait),
+        target: load.target,
+    };
+    Admission::Skipped
 }
 
 /// Caches the request's full blocks up to `num_tokens` tokens that are not cached yet.

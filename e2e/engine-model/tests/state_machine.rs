@@ -63,6 +63,8 @@ struct Setup {
     budget: u32,
     threshold: u32,
     caching: bool,
+    /// Host-tier blocks (0: no offloading).
+    host: u32,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -73,15 +75,17 @@ fn setup() -> impl Strategy<Value = Setup> {
         4..20u32,
         prop_oneof![Just(0u32), Just(3u32)],
         prop_oneof![4 => Just(true), 1 => Just(false)],
+        prop_oneof![1 => Just(0u32), 2 => 1..12u32],
     )
         .prop_map(
-            |(block_size, blocks, seqs, budget, threshold, caching)| Setup {
+            |(block_size, blocks, seqs, budget, threshold, caching, host)| Setup {
                 block_size,
                 blocks,
                 seqs,
                 budget: budget.max(seqs),
                 threshold,
                 caching,
+                host,
             },
         )
 }
@@ -98,6 +102,8 @@ impl Setup {
         c.max_model_len = (self.blocks - 1) * self.block_size;
         c.kv_bytes_per_token = 1_000;
         c.kv_transfer_bandwidth = 1_000_000_000; // 1 µs per token
+        c.num_host_blocks = self.host;
+        c.host_load_bandwidth = 4_000_000_000; // 0.25 µs per token
         c
     }
 }
@@ -125,6 +131,8 @@ struct Model {
     order: Vec<RequestId>,
     /// Cached hashes with multiplicity, from Stored / Removed / Cleared.
     cached: HashMap<u64, usize>,
+    /// The host tier's hashes, from HostStored / HostRemoved / Cleared.
+    host: std::collections::HashSet<u64>,
     finished: usize,
 }
 
@@ -147,7 +155,24 @@ impl Model {
                         self.cached.remove(&hashes[0]);
                     }
                 }
-                CacheEvent::Cleared => self.cached.clear(),
+                CacheEvent::HostStored { hashes } => {
+                    for h in hashes {
+                        // Write-through: only what the GPU holds is copied, once.
+                        prop_assert!(
+                            self.cached.contains_key(h),
+                            "host copy of an uncached block"
+                        );
+                        prop_assert!(self.host.insert(*h), "host copy reported twice");
+                    }
+                }
+                CacheEvent::HostRemoved { hashes } => {
+                    prop_assert_eq!(hashes.len(), 1);
+                    prop_assert!(self.host.remove(&hashes[0]), "host drop of an absent block");
+                }
+                CacheEvent::Cleared => {
+                    self.cached.clear();
+                    self.host.clear();
+                }
             }
         }
         Ok(())
@@ -200,6 +225,11 @@ impl Model {
         model.sort_unstable();
         prop_assert_eq!(model, e.cached_hashes(), "events disagree with the cache");
         prop_assert_eq!(s.cached_blocks as usize, e.cached_hashes().len());
+        let mut host: Vec<u64> = self.host.iter().copied().collect();
+        host.sort_unstable();
+        prop_assert_eq!(host, e.host_hashes(), "events disagree with the host tier");
+        prop_assert_eq!(s.host_blocks as usize, self.host.len());
+        prop_assert!(s.host_blocks <= e.config().num_host_blocks);
         prop_assert_eq!(e.has_unfinished(), !self.live.is_empty());
         Ok(())
     }
@@ -336,6 +366,7 @@ fn the_random_workload_reaches_preemption_eviction_and_hits() {
         budget: 8,
         threshold: 3,
         caching: true,
+        host: 0,
     };
     let mut e = Engine::new(setup.config()).unwrap();
     for id in 0..6u64 {
@@ -366,4 +397,82 @@ fn the_random_workload_reaches_preemption_eviction_and_hits() {
     assert!(s.num_preemptions > 0, "{s:?}");
     assert!(removed > 0);
     assert!(s.prefix_cache_hits > 0);
+}
+
+/// The host tier is reached: a prompt whose blocks the GPU evicted loads them back from host
+/// memory (a wait at the host bandwidth, not a prefill), reports them as cached tokens, and
+/// the events describe it.
+#[test]
+fn an_evicted_prefix_loads_back_from_the_host_tier() {
+    let setup = Setup {
+        block_size: 2,
+        blocks: 6,
+        seqs: 1,
+        budget: 16,
+        threshold: 0,
+        caching: true,
+        host: 16,
+    };
+    let mut e = Engine::new(setup.config()).unwrap();
+    let mut m = Model::default();
+    let prompts: [Vec<u32>; 3] = [
+        vec![1, 2, 3, 4, 5, 6, 7, 8, 9],
+        vec![21, 22, 23, 24, 25, 26, 27, 28, 29],
+        vec![1, 2, 3, 4, 5, 6, 7, 8, 10],
+    ];
+    let mut cached = Vec::new();
+    let mut loading = Vec::new();
+    for (id, prompt) in prompts.into_iter().enumerate() {
+        let id = id as u64;
+        e.add_request(NewRequest {
+            id,
+            prompt,
+            output: vec![1000],
+            hasher: Box::new(XxhChain::new(0)),
+            arrival: m.now,
+            kv_transfer: None,
+        })
+        .unwrap();
+        m.live.insert(
+            id,
+            Expected {
+                output: vec![1000],
+                got: Vec::new(),
+            },
+        );
+        let before = m.now;
+        while !m.live.is_empty() {
+            if e.stats().transferring > 0 {
+                loading.push(id);
+            }
+            if let Some(out) = e.step(m.now) {
+                for o in &out.outputs {
+                    if let Some(n) = o.num_cached_tokens {
+                        cached.push((id, n, m.now + out.duration - before));
+                    }
+                }
+                m.now += out.duration;
+                m.apply_step(&out).unwrap();
+            } else {
+                m.apply_events(&e.take_events()).unwrap();
+                let t = e.next_wakeup().expect("a load in flight wakes the engine");
+                m.now = m.now.max(t);
+            }
+            m.check(&e).unwrap();
+        }
+    }
+    // The second prompt evicted the first one's blocks from the 5-block GPU; the third
+    // shares the first one's four full blocks, and finds them in the host tier.
+    assert_eq!(cached[0].1, 0);
+    assert_eq!(cached[2].1, 8, "{cached:?}");
+    // Only the third waited for a load (8 tokens × 1,000 B at 4 GB/s: 2 µs).
+    assert!(
+        !loading.is_empty() && loading.iter().all(|&id| id == 2),
+        "{loading:?}"
+    );
+    assert!(!e.cached_hashes().is_empty());
+    let s = e.stats();
+    assert_eq!(s.host_hit_tokens, 8);
+    assert_eq!(s.prefix_cache_hits, 0, "the GPU itself had none of them");
+    assert!(s.host_blocks >= 8, "{s:?}");
 }

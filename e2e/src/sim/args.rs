@@ -120,6 +120,12 @@ pub struct Args {
     /// P/D: KV transfer bandwidth from a remote prefill engine, in GB/s (default: the preset's).
     #[arg(long)]
     pub kv_transfer_gbps: Option<f64>,
+    /// Host memory for KV offloading, GiB (vLLM's `--kv-offloading-size` with the native CPU
+    /// backend): every block cached on the GPU is copied there, the least recently used is
+    /// dropped, and prompts load blocks found there at PCIe speed instead of recomputing them.
+    /// The copies are published as KV events with the `CPU` medium. 0: off.
+    #[arg(long, default_value_t = 0.0)]
+    pub kv_offloading_size: f64,
     /// SGLang P/D role for requests carrying bootstrap_host/port/room: `null` (record them only),
     /// `prefill` (one-token prefill, serve the room) or `decode` (wait for the room, then decode
     /// with the pulled KV).
@@ -195,7 +201,7 @@ impl Args {
     }
 
     /// The engine configuration: the preset with the overrides applied.
-    pub fn engine_config(&self) -> engine_model::EngineConfig {
+    pub fn engine_config(&self) -> Result<engine_model::EngineConfig, String> {
         let mut c = self.preset.config();
         if let Some(v) = self.block_size {
             c.block_size = v;
@@ -218,6 +224,8 @@ impl Args {
         if let Some(g) = self.kv_transfer_gbps {
             c.kv_transfer_bandwidth = (g * 1e9) as u64;
         }
-        c
+        c.set_offloading_gib(self.kv_offloading_size)
+            .map_err(|e| format!("--kv-offloading-size: {e}"))?;
+        Ok(c)
     }
 }

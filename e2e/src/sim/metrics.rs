@@ -281,6 +281,12 @@ impl SimMetrics {
             "Blocks holding a cached hash (in use or free).",
             u64::from(s.cached_blocks),
         );
+        gauge_own(
+            &mut out,
+            "kvgate_sim_host_blocks",
+            "Blocks in the KV offloading host tier (0 when --kv-offloading-size is 0).",
+            u64::from(s.host_blocks),
+        );
         let secs = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 / 1e9;
         let _ = writeln!(
             out,
@@ -300,6 +306,11 @@ impl SimMetrics {
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
             );
         };
+        own(
+            "kvgate_sim_host_hit_tokens_total",
+            "Prompt tokens loaded from the KV offloading host tier instead of computed.",
+            s.host_hit_tokens,
+        );
         own(
             "kvgate_sim_rejected_queue_full_total",
             "Requests refused because the waiting queue was full.",

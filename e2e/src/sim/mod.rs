@@ -97,7 +97,7 @@ fn init_tracing() {
 }
 
 async fn serve(args: Args) -> Result<(), SimError> {
-    let config = args.engine_config();
+    let config = args.engine_config().map_err(config_error)?;
     let engine = engine_model::Engine::new(config.clone())
         .map_err(|e| config_error(format!("engine: {e}")))?;
     let tokenizer = match &args.tokenizer {
