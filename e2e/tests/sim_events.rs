@@ -298,7 +298,7 @@ fn offloaded_blocks_are_published_with_the_cpu_medium_and_served_back() {
     ]);
     let ctx = zmq::Context::new();
     let sub = subscriber(&ctx, p);
-    let prompt = |i: usize| format!("{}", format!("unique-{i:03}-").repeat(16));
+    let prompt = |i: usize| format!("unique-{i:03}-").repeat(16);
     let complete = |i: usize| {
         let body = json!({"prompt": prompt(i), "max_tokens": 4, "ignore_eos": true});
         let r = support::try_request(
