@@ -12,8 +12,9 @@
 #      three H200 engines for every policy at concurrency 60-180 (the seed's round-robin columns
 #      are its fidelity check, docs/benchmarks.md), then the Mooncake hour on 16 engines at the
 #      load where round-robin's p90 TTFT is 2 s, against the peer routers' cache-aware policy
-#      (a model, `sglang-cache-aware`), and the trace's first 10 minutes with prefix-only; tables
-#      on stdout, plots under $KVGATE_MAIN_OUT (default /tmp/kvgate-main);
+#      (a model, `sglang-cache-aware`), the same hour with 128 GiB of KV offloaded to host
+#      memory per engine at round-robin's 2 s crossing there, and the trace's first 10 minutes
+#      with prefix-only; tables on stdout, plots under $KVGATE_MAIN_OUT (default /tmp/kvgate-main);
 #   4. the simulator's throughput benchmark (e2e/bench/sim_throughput.sh, needs wrk);
 #   5. Envoy direct vs Envoy+EPP latency and EPP CPU per request (e2e/bench/envoy_overhead.sh);
 #   6. the EPP decision cost at 8k tokens (cargo bench -p kvgate-epp --bench decision -- 8k);
@@ -51,6 +52,9 @@ echo "== discrete-event replay: seed 001's workload, every policy (plots in $out
 echo "== discrete-event replay: the Mooncake hour on 16 engines at 3.15x (round-robin's p90 ~2 s)"
 "$bench" replay --workload mooncake --engines 16 --preset small \
   --policy round-robin,kv,sglang-cache-aware --speedup 3.15 --out "$out/replay-mooncake-hour.jsonl"
+echo "== discrete-event replay: the Mooncake hour, 128 GiB of KV offloading per engine, at 3.25x (round-robin's p90 ~2 s)"
+"$bench" replay --workload mooncake --engines 16 --preset small --kv-offloading-gib 128 \
+  --policy round-robin,kv --speedup 3.25 --out "$out/replay-mooncake-offload.jsonl"
 echo "== discrete-event replay: the Mooncake trace's first 10 minutes on 16 engines at 2.5x"
 "$bench" replay --workload mooncake --engines 16 --preset small --policy round-robin,kv,prefix-only \
   --speedup 2.5 --trace-seconds 600 --out "$out/replay-mooncake.jsonl"
