@@ -70,7 +70,7 @@ pub enum StackError {
     #[error("this stack has no {0}")]
     NoSuchComponent(Component),
     /// The KV block manager is not built yet, so the stack cannot start it (nor Redis).
-    #[error("--kvbm: the KV block manager is not yet built (issue #6); start the stack without it")]
+    #[error("--kvbm: the KV block manager is not yet built (issue #8); start the stack without it")]
     KvbmNotYet,
 }
 

@@ -245,5 +245,7 @@ mod tests {
         let err = cli.up.config().unwrap_err();
         assert!(matches!(err, StackError::KvbmNotYet));
         assert!(err.to_string().contains("not yet"));
+        // The daemon itself points at issue #8; the stack must name the same one.
+        assert!(err.to_string().contains("issue #8"), "{err}");
     }
 }
