@@ -28,6 +28,27 @@ fn subscriber(ctx: &zmq::Context, port: u16) -> zmq::Socket {
     sub
 }
 
+/// A simulator with a 40-block cache of 16-token blocks (so a few dozen requests evict), model
+/// `m`, publishing with `config`, plus `extra` arguments.
+fn small_cache_sim(config: &str, extra: &[&str]) -> Sim {
+    let mut args = vec![
+        "--model",
+        "m",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks",
+        "40",
+        "--max-model-len",
+        "512",
+        "--time-scale",
+        "50",
+        "--kv-events-config",
+        config,
+    ];
+    args.extend_from_slice(extra);
+    Sim::start(&args)
+}
+
 /// Every message until `quiet` passes without one.
 fn drain(sub: &zmq::Socket, quiet: Duration) -> Vec<Vec<Vec<u8>>> {
     sub.set_rcvtimeo(quiet.as_millis() as i32).unwrap();
@@ -141,20 +162,7 @@ fn first_batch_is_byte_identical_to_real_vllm() {
 fn event_stream_accounts_for_every_block() {
     let [p, r] = free_ports::<2>();
     let config = events_config(p, r, None);
-    let sim = Sim::start(&[
-        "--model",
-        "m",
-        "--block-size",
-        "16",
-        "--num-gpu-blocks",
-        "40",
-        "--max-model-len",
-        "512",
-        "--time-scale",
-        "50",
-        "--kv-events-config",
-        &config,
-    ]);
+    let sim = small_cache_sim(&config, &[]);
     let ctx = zmq::Context::new();
     let sub = subscriber(&ctx, p);
     let port = sim.port;
@@ -278,24 +286,7 @@ fn offloaded_blocks_are_published_with_the_cpu_medium_and_served_back() {
     let [p, r] = free_ports::<2>();
     let config = events_config(p, r, None);
     // `small`: 128 KiB of KV per token, so 2 MiB blocks of 16 tokens; 1 GiB holds 512.
-    let sim = Sim::start(&[
-        "--model",
-        "m",
-        "--preset",
-        "small",
-        "--block-size",
-        "16",
-        "--num-gpu-blocks",
-        "40",
-        "--max-model-len",
-        "512",
-        "--time-scale",
-        "50",
-        "--kv-offloading-size",
-        "1",
-        "--kv-events-config",
-        &config,
-    ]);
+    let sim = small_cache_sim(&config, &["--preset", "small", "--kv-offloading-size", "1"]);
     let ctx = zmq::Context::new();
     let sub = subscriber(&ctx, p);
     let prompt = |i: usize| format!("unique-{i:03}-").repeat(16);
