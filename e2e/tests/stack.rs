@@ -129,6 +129,16 @@ fn requests_follow_the_epp_and_a_shared_prefix_sticks_with_cached_tokens() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+    // Past the speculative entries' TTL the prefix still sticks: the engine's own KV events,
+    // through its sidecar and NATS, are what the index knows it by.
+    std::thread::sleep(Duration::from_millis(2_700));
+    let later = send(&stack, &chat(&system, "question 6", 4, false), &[]);
+    assert!(later.ok(), "{later:?}");
+    assert_eq!(
+        later.pod(),
+        first.pod(),
+        "the prefix left its pod once speculation expired"
+    );
     // A malformed body is refused by the EPP with a reason, not forwarded.
     let bad = post_bytes(
         stack.ports().envoy_listen,
@@ -508,6 +518,81 @@ fn conformance_data_parallel_ports_are_separate_endpoints() {
     assert_eq!(
         epp_metric(&stack, "kvgate_epp_nats_unknown_source_messages_total"),
         0.0
+    );
+    finish(stack);
+}
+
+/// KV offloading end to end: engines copy their cached blocks to host memory and publish them
+/// with the `CPU` medium, the sidecars relay them as host-tier residencies, the EPP's index
+/// keeps them after the GPU copies are evicted, and the `kv` policy sends the prefix back to
+/// the engine whose host memory holds it, which loads it instead of recomputing it.
+#[test]
+fn an_offloaded_prefix_is_routed_back_to_the_engine_holding_it_in_host_memory() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // 47 usable GPU blocks of 16 tokens: one ~40-block prompt fits, two do not. 1 GiB of host
+    // memory holds 512 of the `small` preset's 2 MiB blocks.
+    let stack = start(StackConfig {
+        engine_args: [
+            "--num-gpu-blocks",
+            "48",
+            "--max-model-len",
+            "752",
+            "--kv-offloading-size",
+            "1",
+        ]
+        .map(String::from)
+        .to_vec(),
+        ..StackConfig::default()
+    });
+    // Where a prompt nobody holds goes when the pool is idle (the tie-break's choice); the
+    // prefix is pinned elsewhere, so only the index's host tier can bring it back there.
+    let idle = send(&stack, &chat("a prompt nobody holds", "q", 4, false), &[]);
+    assert!(idle.ok(), "{idle:?}");
+    let listed = stack.endpoints();
+    let engine = listed.iter().position(|e| e != idle.upstream()).unwrap();
+    let holder = listed[engine].clone();
+    let system = long_system("offload");
+    let first = send(
+        &stack,
+        &chat(&system, "question 0", 4, false),
+        &[("x-gateway-destination-endpoint-subset", holder.as_str())],
+    );
+    assert!(first.ok(), "{first:?}");
+    assert_eq!(first.upstream(), holder);
+    // Fill that engine's GPU with other prompts (a subset hint pins them there), so every
+    // block of the first prompt is evicted from the GPU and stays only in host memory.
+    for i in 0..3 {
+        let r = send(
+            &stack,
+            &chat(&long_system(&format!("filler {i}")), "q", 4, false),
+            &[("x-gateway-destination-endpoint-subset", holder.as_str())],
+        );
+        assert!(r.ok(), "{r:?}");
+        assert_eq!(r.upstream(), holder);
+    }
+    let host_hits = |stack: &Stack| {
+        let page = stack.engine_metrics(engine).unwrap();
+        probe::metric_sum(&page, "kvgate_sim_host_hit_tokens_total").unwrap_or(0.0)
+    };
+    assert_eq!(host_hits(&stack), 0.0);
+    // Past the speculative entries' 2 s TTL (and the 500 ms expiry tick), so what routes the
+    // prefix is what the engines' events told the index.
+    std::thread::sleep(Duration::from_millis(2_700));
+    let again = send(&stack, &chat(&system, "question 1", 4, false), &[]);
+    assert!(again.ok(), "{again:?}");
+    assert_eq!(
+        again.upstream(),
+        holder,
+        "the prefix left the engine holding it in host memory"
+    );
+    assert!(
+        again.cached_tokens() >= 512,
+        "{} cached tokens",
+        again.cached_tokens()
+    );
+    assert!(
+        host_hits(&stack) >= 512.0,
+        "the blocks should have come from host memory, not the GPU"
     );
     finish(stack);
 }

@@ -265,6 +265,7 @@ impl Stack {
 
     fn ready_probe(&self, component: Component) -> impl FnMut() -> bool + use<> {
         let ports = self.ports.clone();
+        let nats_events = self.config.kv_events == KvEventsPath::Nats;
         move || match component {
             Component::Nats => probe::tcp_open(ports.nats, PROBE_TIMEOUT),
             Component::Engine(i) => ports.engine_http(i).is_some_and(|p| ok(p, "/health")),
@@ -272,7 +273,15 @@ impl Stack {
                 .engines
                 .get(i)
                 .is_some_and(|p| ok(p.sidecar_metrics, "/ready")),
-            Component::Epp => ok(ports.epp_metrics, "/metrics"),
+            // Serving, and (while NATS is up) subscribed to the KV events: an envelope
+            // published before the EPP subscribes is lost to it until that source publishes
+            // again, so a stack handed out earlier could route a prefix it was just told of
+            // without knowing.
+            Component::Epp => page(ports.epp_metrics, "/metrics").is_ok_and(|p| {
+                !nats_events
+                    || !probe::tcp_open(ports.nats, PROBE_TIMEOUT)
+                    || probe::metric_sum(&p, "kvgate_epp_nats_connected").is_some_and(|v| v >= 1.0)
+            }),
             Component::Envoy => ok(ports.envoy_admin, "/ready"),
             Component::Router => ok(ports.envoy_listen, "/health"),
         }
