@@ -212,15 +212,19 @@ impl BlockPool {
             .get(from * req.block_size..to * req.block_size)
             .map(<[u32]>::to_vec)
             .unwrap_or_default();
+        // Write-through: the offloading connector copies what the GPU just cached (after the
+        // GPU's `Stored`, which gives consumers the blocks' tokens).
+        let copies = self.host.enabled().then(|| stored.clone());
         self.events.push(CacheEvent::Stored {
-            hashes: stored.clone(),
+            hashes: stored,
             parent,
             token_ids,
             request: req.id,
             first_block_index: u32::try_from(from).unwrap_or(u32::MAX),
         });
-        // Write-through: the offloading connector copies what the GPU just cached.
-        self.host.store(&stored, &mut self.events);
+        if let Some(copies) = copies {
+            self.host.store(&copies, &mut self.events);
+        }
     }
 
     /// Drops every cached hash when no block is in use (vLLM `reset_prefix_cache`); returns

@@ -256,7 +256,6 @@ impl Engine {
                     .record_lookup(queried, hit, req.num_preemptions > 0);
             }
             if let Some(remote) = req.remote_prefill {
-                req.remote_prefill = None;
                 let target = (remote as usize).min(req.prompt_len - 1) / block_size * block_size;
                 if target > hits.len() * block_size {
                     let load = Load {
@@ -264,8 +263,14 @@ impl Engine {
                         target,
                         bandwidth: self.config.kv_transfer_bandwidth,
                     };
-                    return start_load(&mut self.pool, req, load, &self.config, now);
+                    // Blocked: the pull is tried again next step.
+                    let admission = start_load(&mut self.pool, req, load, &self.config, now);
+                    if matches!(admission, Admission::Skipped) {
+                        req.remote_prefill = None;
+                    }
+                    return admission;
                 }
+                req.remote_prefill = None;
             } else if self.pool.caching() {
                 // The offloading connector's host tier: the blocks right after the GPU hit
                 // that it holds load before the request is scheduled (vLLM's
@@ -276,13 +281,16 @@ impl Engine {
                     .pool
                     .host_hits(after, max_blocks.saturating_sub(hits.len()));
                 if host > 0 {
-                    self.counters.host_hits += (host * block_size) as u64;
                     let load = Load {
                         target: (hits.len() + host) * block_size,
                         hits,
                         bandwidth: self.config.host_load_bandwidth,
                     };
-                    return start_load(&mut self.pool, req, load, &self.config, now);
+                    let admission = start_load(&mut self.pool, req, load, &self.config, now);
+                    if matches!(admission, Admission::Skipped) {
+                        self.counters.host_hits += (host * block_size) as u64;
+                    }
+                    return admission;
                 }
             }
         }

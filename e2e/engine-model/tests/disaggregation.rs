@@ -219,3 +219,29 @@ fn remote_kv_holders_that_block_each_other_are_released() {
     assert_eq!(run.cached_tokens[&1], 8);
     assert_eq!(run.cached_tokens[&2], 6);
 }
+
+/// A remote prefill whose blocks cannot be allocated yet waits in the queue and still pulls
+/// once they can be: being blocked does not turn it into a local prefill.
+#[test]
+fn a_remote_prefill_blocked_for_blocks_still_pulls_later() {
+    // 8 usable blocks of 4 tokens; request 1 (28 + 4 tokens) ends up holding all of them.
+    let mut e = engine(config(9, 4, 4, 64));
+    e.add_request(request(1, (100..128).collect(), vec![1, 2, 3, 4]))
+        .unwrap();
+    let mut run = Run::default();
+    run.step(&mut e).unwrap();
+    e.add_request(with_transfer(
+        request(2, (0..10).collect(), vec![40, 41]),
+        KvTransfer::RemotePrefill { num_tokens: 100 },
+    ))
+    .unwrap();
+    run.step(&mut e).unwrap();
+    assert_eq!(e.stats().transferring, 0, "no blocks for the pull yet");
+    run.drain(&mut e);
+    assert_eq!(
+        run.cached_tokens.get(&2),
+        Some(&8),
+        "the pulled 8 tokens count as cached"
+    );
+    assert_eq!(run.tokens[&2], vec![40, 41]);
+}
