@@ -284,10 +284,7 @@ impl KvLoop {
                 _ = stop.changed() => break,
                 Some(m) = kv.next() => self.envelope(&m.payload),
                 Some(m) = kvbm.next() => self.envelope(&m.payload),
-                Some(m) = load.next() => {
-                    self.load(&m.payload);
-                    Vec::new()
-                }
+                Some(m) = load.next() => self.load(&m.payload),
                 Some((holder, id, result)) = done_rx.recv() => {
                     let now = (self.shared.clock)();
                     self.ingest.on_fetch(holder, id, result, &self.shared.resolver(), now)
@@ -325,15 +322,16 @@ impl KvLoop {
         }
     }
 
-    fn load(&mut self, payload: &[u8]) {
+    fn load(&mut self, payload: &[u8]) -> Vec<FetchOrder> {
         match LoadSample::decode(payload) {
             Ok(s) => {
                 let now = (self.shared.clock)();
-                self.ingest.on_load(&s, &self.shared.resolver(), now);
+                self.ingest.on_load(&s, &self.shared.resolver(), now)
             }
             Err(e) => {
                 add(&self.stats.malformed, 1);
                 tracing::debug!(error = %e, "load sample refused");
+                Vec::new()
             }
         }
     }

@@ -146,23 +146,40 @@ impl KvIngest {
         self.act(holder, out)
     }
 
-    /// A load sample arrived at `now` (stamped with `now`, not the sender's clock).
-    pub fn on_load(&mut self, sample: &LoadSample, r: &Resolver<'_>, now: Millis) {
-        match r.holder(&sample.source) {
-            Some(Holder::Endpoint(id)) => {
-                self.loads.record(
-                    id,
-                    EngineLoad {
-                        waiting: sample.waiting,
-                        running: sample.running,
-                        kv_usage: sample.kv_usage,
-                        at: now,
-                    },
-                );
-                add(&self.stats.load_samples, 1);
-            }
-            Some(Holder::Node(_)) | None => add(&self.stats.unknown_sources, 1),
+    /// A load sample arrived at `now` (stamped with `now`, not the sender's clock). The first
+    /// sample of an endpoint with no KV-event source yet starts that source's sync (a snapshot
+    /// request), as its first envelope would.
+    pub fn on_load(
+        &mut self,
+        sample: &LoadSample,
+        r: &Resolver<'_>,
+        now: Millis,
+    ) -> Vec<FetchOrder> {
+        let Some(holder @ Holder::Endpoint(id)) = r.holder(&sample.source) else {
+            add(&self.stats.unknown_sources, 1);
+            return Vec::new();
+        };
+        self.loads.record(
+            id,
+            EngineLoad {
+                waiting: sample.waiting,
+                running: sample.running,
+                kv_usage: sample.kv_usage,
+                at: now,
+            },
+        );
+        add(&self.stats.load_samples, 1);
+        if self.sources.contains_key(&holder) {
+            return Vec::new();
         }
+        // A sidecar this EPP has no KV events from yet (it published them before this EPP
+        // subscribed, and its engine has been idle since): take the source up now, so its
+        // snapshot brings the cache it holds, instead of waiting for its next event.
+        let mut out = Vec::new();
+        self.entry(holder, sample.source.clone(), now, &mut out);
+        let orders = self.act(holder, out);
+        self.gauges();
+        orders
     }
 
     /// Time passed: overdue requests fail, backoffs end, departed sources are forgotten,
@@ -434,6 +451,72 @@ mod tests {
         ds.replace(Vec::new());
         kv.tick(&r, Millis(300));
         assert!(kv.is_empty());
+    }
+
+    /// An EPP that subscribed after a sidecar's last envelope hears of it first by its load
+    /// samples: the first one starts the source's sync, so its snapshot brings the cache.
+    #[test]
+    fn a_load_sample_from_a_silent_kv_source_fetches_its_snapshot() {
+        let ds = Datastore::new();
+        let nodes = NodeIds::default();
+        let r = Resolver {
+            datastore: &ds,
+            nodes: &nodes,
+        };
+        let index = Arc::new(KvIndex::new(IndexConfig::default()).unwrap());
+        let stats = Arc::new(NatsStats::default());
+        let mut kv = KvIngest::new(
+            SyncConfig::default(),
+            Arc::clone(&index),
+            Arc::new(LoadBook::new()),
+            Arc::clone(&stats),
+        );
+        let sample = |pod: &str| LoadSample {
+            v: ENVELOPE_VERSION,
+            source: source(pod),
+            unix_ms: 0,
+            waiting: 0,
+            running: 1,
+            kv_usage: 0.5,
+        };
+        // Not discovered: counted, nothing asked.
+        assert!(kv.on_load(&sample("a"), &r, Millis(0)).is_empty());
+        assert!(kv.is_empty());
+        let key = ("a".to_owned(), 8000);
+        let id = ds.id_for(&key);
+        ds.replace(vec![(
+            key,
+            Endpoint::new(id, "10.0.0.1:8000".parse().unwrap()),
+        )]);
+        let orders = kv.on_load(&sample("a"), &r, Millis(1));
+        assert_eq!(orders.len(), 1, "{orders:?}");
+        assert_eq!(orders[0].holder, Holder::Endpoint(id));
+        assert_eq!(orders[0].subject, "kvgate.snapshot.ns.p.a");
+        // Later samples ask nothing more; the snapshot makes the source live.
+        assert!(kv.on_load(&sample("a"), &r, Millis(2)).is_empty());
+        kv.on_fetch(
+            orders[0].holder,
+            orders[0].id,
+            FetchResult::Done(snapshot("a", 4, &[1, 2])),
+            &r,
+            Millis(3),
+        );
+        assert_eq!(kv.is_stale(Holder::Endpoint(id)), Some(false));
+        let hits = index.find_matches(&[BlockKey(1), BlockKey(2)], &[id]);
+        assert_eq!(hits[0].reach(Tier::Gpu), 2);
+        // The envelope after the snapshot's position applies in order.
+        assert!(
+            kv.on_envelope(envelope("a", 4, 3), &r, Millis(4))
+                .is_empty()
+        );
+        let hits = index.find_matches(&[BlockKey(1), BlockKey(2), BlockKey(3)], &[id]);
+        assert_eq!(hits[0].reach(Tier::Gpu), 3);
+        assert_eq!(
+            stats
+                .load_samples
+                .load(std::sync::atomic::Ordering::Relaxed),
+            2
+        );
     }
 
     #[test]
