@@ -327,7 +327,7 @@ mod tests {
     use kv_events::envelope::{ENVELOPE_VERSION, EngineKind};
     use kv_events::snapshot::TierKeys;
     use kv_events::{BlockKey, KvEvent, Tier};
-    use kv_index::IndexConfig;
+    use kv_index::{EndpointId, IndexConfig};
     use scheduler::Endpoint;
 
     use super::*;
@@ -377,6 +377,30 @@ mod tests {
         }
     }
 
+    /// An ingest over a fresh index, with the index and the counters it writes.
+    fn ingest() -> (Arc<KvIndex>, Arc<NatsStats>, KvIngest) {
+        let index = Arc::new(KvIndex::new(IndexConfig::default()).unwrap());
+        let stats = Arc::new(NatsStats::default());
+        let kv = KvIngest::new(
+            SyncConfig::default(),
+            Arc::clone(&index),
+            Arc::new(LoadBook::new()),
+            Arc::clone(&stats),
+        );
+        (index, stats, kv)
+    }
+
+    /// Discovery now lists exactly `pod` (port 8000, the sources' port); its endpoint id.
+    fn discover(ds: &Datastore, pod: &str) -> EndpointId {
+        let key = (pod.to_owned(), 8000);
+        let id = ds.id_for(&key);
+        ds.replace(vec![(
+            key,
+            Endpoint::new(id, "10.0.0.1:8000".parse().unwrap()),
+        )]);
+        id
+    }
+
     #[test]
     fn unknown_sources_wait_for_discovery_and_departed_ones_are_forgotten() {
         let ds = Datastore::new();
@@ -385,14 +409,7 @@ mod tests {
             datastore: &ds,
             nodes: &nodes,
         };
-        let index = Arc::new(KvIndex::new(IndexConfig::default()).unwrap());
-        let stats = Arc::new(NatsStats::default());
-        let mut kv = KvIngest::new(
-            SyncConfig::default(),
-            Arc::clone(&index),
-            Arc::new(LoadBook::new()),
-            Arc::clone(&stats),
-        );
+        let (index, stats, mut kv) = ingest();
         // Unknown: counted, no request.
         assert!(
             kv.on_envelope(envelope("a", 0, 1), &r, Millis(0))
@@ -406,12 +423,7 @@ mod tests {
         );
         assert!(kv.is_empty());
         // Discovery learns of it: the next tick asks for its snapshot.
-        let key = ("a".to_owned(), 8000);
-        let id = ds.id_for(&key);
-        ds.replace(vec![(
-            key,
-            Endpoint::new(id, "10.0.0.1:8000".parse().unwrap()),
-        )]);
+        let id = discover(&ds, "a");
         let orders = kv.tick(&r, Millis(1));
         assert_eq!(orders.len(), 1);
         let o = &orders[0];
@@ -463,14 +475,7 @@ mod tests {
             datastore: &ds,
             nodes: &nodes,
         };
-        let index = Arc::new(KvIndex::new(IndexConfig::default()).unwrap());
-        let stats = Arc::new(NatsStats::default());
-        let mut kv = KvIngest::new(
-            SyncConfig::default(),
-            Arc::clone(&index),
-            Arc::new(LoadBook::new()),
-            Arc::clone(&stats),
-        );
+        let (index, stats, mut kv) = ingest();
         let sample = |pod: &str| LoadSample {
             v: ENVELOPE_VERSION,
             source: source(pod),
@@ -482,12 +487,7 @@ mod tests {
         // Not discovered: counted, nothing asked.
         assert!(kv.on_load(&sample("a"), &r, Millis(0)).is_empty());
         assert!(kv.is_empty());
-        let key = ("a".to_owned(), 8000);
-        let id = ds.id_for(&key);
-        ds.replace(vec![(
-            key,
-            Endpoint::new(id, "10.0.0.1:8000".parse().unwrap()),
-        )]);
+        let id = discover(&ds, "a");
         let orders = kv.on_load(&sample("a"), &r, Millis(1));
         assert_eq!(orders.len(), 1, "{orders:?}");
         assert_eq!(orders[0].holder, Holder::Endpoint(id));
