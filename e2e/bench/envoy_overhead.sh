@@ -53,7 +53,17 @@ RUST_LOG=warn "$EPP_BIN" --pool-name bench --discovery file --endpoints-file "$r
   --plaintext --grpc-port "$ext" --grpc-health-port "$health" --metrics-port "$metrics" --model m \
   "${tokargs[@]}" "${extra[@]}" > "$run/epp.log" 2>&1 &
 epp_pid=$!; pids+=($epp_pid)
+# ACCESS_LOG=1: each listener logs, per request, where its time went (µs): downstream request
+# received, ext_proc + routing until the upstream request starts, upstream, response relayed.
+alog() {
+  if [ "${ACCESS_LOG:-0}" = 1 ]; then
+    printf '[{name: envoy.access_loggers.file, typed_config: {"@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog", path: "%s", log_format: {text_format_source: {inline_string: "%%COMMON_DURATION(DS_RX_BEG:DS_RX_END:us)%% %%COMMON_DURATION(DS_RX_END:US_TX_BEG:us)%% %%COMMON_DURATION(US_TX_BEG:US_RX_BEG:us)%% %%COMMON_DURATION(US_RX_BEG:DS_TX_BEG:us)%% %%COMMON_DURATION(DS_TX_BEG:DS_TX_END:us)%% %%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%%\\\\n"}}}}]' "$run/access-$1.log"
+  else
+    printf '[]'
+  fi
+}
 sed -e "s/@ADMIN@/$admin/; s/@DIRECT@/$direct/; s/@EPP@/$epp/; s/@EXTPROC@/$ext/; s/@SIM@/$sim/g" \
+  -e "s|@ACCESS_LOG_DIRECT@|$(alog direct)|; s|@ACCESS_LOG_EPP@|$(alog epp)|" \
   "$root/e2e/bench/envoy_overhead.yaml.in" > "$run/envoy.yaml"
 if [ "${RESPONSE:-on}" = off ]; then
   sed -i -e 's/response_header_mode: SEND/response_header_mode: SKIP/; s/response_body_mode: FULL_DUPLEX_STREAMED/response_body_mode: NONE/; s/response_trailer_mode: SEND/response_trailer_mode: SKIP/' "$run/envoy.yaml"
@@ -107,6 +117,7 @@ finisher() {
     '{c[$1]+=$2} END {for (n in c) if (c[n] > 0) printf "%s %.2f s; ", n, c[n]/hz}')"
 }
 finisher
+echo "envoy: $(curl -s "http://127.0.0.1:$admin/stats" | awk -F': ' '/^cluster\.(direct|pool|ext_proc)\.(upstream_cx_total|upstream_rq_total):/ {printf "%s=%s ", $1, $2}')"
 [ "${CPU:-1}" = 0 ] && { echo "logs in $run"; exit 0; }
 # EPP CPU per request, ~100k-token prompts (≈ 560 KB of text with the Qwen3 tokenizer).
 ticks() { awk '{print $14+$15}' "/proc/$epp_pid/stat"; }

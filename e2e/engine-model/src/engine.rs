@@ -200,6 +200,12 @@ impl Engine {
         self.pool.take_events()
     }
 
+    /// Requests waiting to be scheduled (the admission check's one figure, cheaper than
+    /// [`Engine::stats`]).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
     /// Current gauges and counters.
     pub fn stats(&self) -> EngineStats {
         let to_u32 = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);

@@ -219,7 +219,7 @@ impl Driver {
             if st.stopped {
                 return Err(SubmitError::Stopped);
             }
-            let waiting = st.engine.stats().waiting;
+            let waiting = u32::try_from(st.engine.num_waiting()).unwrap_or(u32::MAX);
             if self.shared.max_waiting > 0 && waiting >= self.shared.max_waiting {
                 return Err(SubmitError::QueueFull(waiting));
             }
