@@ -1,21 +1,25 @@
-//! The tonic `ExternalProcessor` service: one task per `Process` stream drives an
+//! The tonic `ExternalProcessor` service: each `Process` stream's reply stream drives an
 //! [`ExtProcStream`] and ends it whichever way the stream goes.
+//!
+//! Envoy's messages are handled inside the reply stream's `poll_next`, on the task that sends the
+//! replies: no task or channel sits between a message and its reply, so each exchange costs one
+//! wake-up less (each is on the critical path of a request, several times per request).
 
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, ready};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
-use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::ReceiverStream;
+use futures::Stream;
+use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
-use tracing::Instrument as _;
 
 use crate::extproc::{ExtProcStream, Router, StreamConfig};
-
-/// Replies buffered per stream before the stream task waits for Envoy to read.
-const REPLY_BUFFER: usize = 32;
 
 /// Room above the body limit for a message's headers and framing.
 const MESSAGE_OVERHEAD: usize = 1 << 20;
@@ -61,78 +65,129 @@ impl ExtProcService {
 
 #[tonic::async_trait]
 impl ExternalProcessor for ExtProcService {
-    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+    type ProcessStream = Replies;
 
     async fn process(
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(REPLY_BUFFER);
         let state = ExtProcStream::new(Arc::clone(&self.router), Arc::clone(&self.config));
         let span = tracing::info_span!(
             "ext_proc",
             request_id = tracing::field::Empty,
             endpoint = tracing::field::Empty
         );
-        tokio::spawn(drive(inbound, tx, state, self.cut.clone()).instrument(span));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(Replies::new(
+            request.into_inner(),
+            state,
+            self.cut.clone(),
+            span,
+        )))
     }
 }
 
-/// Feeds Envoy's messages to the state machine and its replies back, until either side ends;
-/// then closes the stream's ticket (exactly once, by [`ExtProcStream::finish`]).
-async fn drive(
-    mut inbound: Streaming<ProcessingRequest>,
-    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
-    mut state: ExtProcStream,
-    mut cut: watch::Receiver<bool>,
-) {
-    let cut = async move {
-        if cut.wait_for(|cut| *cut).await.is_err() {
-            // Nobody can cut this stream any more.
-            std::future::pending::<()>().await;
+/// One `Process` stream's replies: polling it reads Envoy's next message, feeds it to the state
+/// machine and yields the replies, until either side ends. The stream's ticket is closed exactly
+/// once, by [`ExtProcStream::finish`]: when Envoy ends the stream, when it breaks, when the drain
+/// timeout cuts it, or when tonic drops the replies (Envoy reset the stream or went away).
+pub struct Replies {
+    inbound: Streaming<ProcessingRequest>,
+    state: Option<ExtProcStream>,
+    queued: VecDeque<ProcessingResponse>,
+    /// Resolves when open streams must end now.
+    cut: Pin<Box<dyn Future<Output = ()> + Send>>,
+    span: tracing::Span,
+}
+
+impl std::fmt::Debug for Replies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replies")
+            .field("state", &self.state)
+            .field("queued", &self.queued.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Replies {
+    fn new(
+        inbound: Streaming<ProcessingRequest>,
+        state: ExtProcStream,
+        mut cut: watch::Receiver<bool>,
+        span: tracing::Span,
+    ) -> Self {
+        let cut = Box::pin(async move {
+            if cut.wait_for(|cut| *cut).await.is_err() {
+                // Nobody can cut this stream any more.
+                std::future::pending::<()>().await;
+            }
+        });
+        Self {
+            inbound,
+            state: Some(state),
+            queued: VecDeque::new(),
+            cut,
+            span,
         }
-    };
-    tokio::pin!(cut);
-    'stream: loop {
-        let msg = tokio::select! {
-            msg = inbound.message() => msg,
-            () = &mut cut => {
+    }
+
+    /// Ends the stream: closes its ticket; nothing more is read.
+    fn close(&mut self) {
+        if let Some(state) = self.state.take() {
+            state.finish();
+        }
+    }
+}
+
+impl Stream for Replies {
+    type Item = Result<ProcessingResponse, Status>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        let _entered = this.span.clone().entered();
+        loop {
+            if let Some(reply) = this.queued.pop_front() {
+                return Poll::Ready(Some(Ok(reply)));
+            }
+            let Some(state) = this.state.as_mut() else {
+                return Poll::Ready(None);
+            };
+            if this.cut.as_mut().poll(cx).is_ready() {
                 tracing::debug!("drain timeout: stream cut");
-                let _ = tx.try_send(Err(Status::unavailable("endpoint picker shutting down")));
-                break;
+                this.close();
+                return Poll::Ready(Some(Err(Status::unavailable(
+                    "endpoint picker shutting down",
+                ))));
             }
-            () = tx.closed() => {
-                tracing::debug!("Envoy stopped reading replies");
-                break;
-            }
-        };
-        let msg = match msg {
-            Ok(Some(msg)) => msg,
-            Ok(None) => break,
-            Err(status) => {
-                tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream broke");
-                break;
-            }
-        };
-        match state.on_message(msg) {
-            Ok(replies) => {
-                for reply in replies {
-                    if tx.send(Ok(reply)).await.is_err() {
-                        break 'stream;
-                    }
+            let msg = match ready!(Pin::new(&mut this.inbound).poll_next(cx)) {
+                Some(Ok(msg)) => msg,
+                Some(Err(status)) => {
+                    tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream broke");
+                    this.close();
+                    return Poll::Ready(None);
                 }
-            }
-            Err(err) => {
-                tracing::warn!(error = %err, label = err.metric_label(), "ext_proc protocol error");
-                // The receiver may be gone already; the stream ends either way.
-                let _ = tx
-                    .send(Err(Status::failed_precondition(err.to_string())))
-                    .await;
-                break;
+                None => {
+                    this.close();
+                    return Poll::Ready(None);
+                }
+            };
+            match state.on_message(msg) {
+                Ok(replies) => this.queued.extend(replies),
+                Err(err) => {
+                    tracing::warn!(error = %err, label = err.metric_label(), "ext_proc protocol error");
+                    this.close();
+                    return Poll::Ready(Some(Err(Status::failed_precondition(err.to_string()))));
+                }
             }
         }
     }
-    state.finish();
+}
+
+impl Drop for Replies {
+    fn drop(&mut self) {
+        if self.state.is_some() {
+            let _entered = self.span.clone().entered();
+            tracing::debug!("Envoy stopped reading replies");
+            self.close();
+        }
+    }
 }
