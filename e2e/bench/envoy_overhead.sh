@@ -16,12 +16,34 @@
 #   EPP_BIN=path               run this kvgate-epp binary instead of building one (e.g. a kept
 #                              baseline build, to compare before/after in one session)
 #   EPP_ARGS="..."             extra kvgate-epp arguments
+#   PIN=epp | gateway          taskset: the EPP (epp), or Envoy and the EPP (gateway), on the last
+#                              CPU and the rest on the others, as their own pods or nodes would
+#                              be in a cluster. Without it all share every core, so at
+#                              saturation any CPU the EPP uses shows up as queueing in the sim
+#   SIM_ARGS="..."             extra kvgate-sim arguments
+#   SIM_PREFIX_CACHING=1       keep the sim's prefix caching on (off by default here, see below)
+#   ACCESS_LOG=1               print, per case and listener, where requests spent their time:
+#                              received, to_upstream (ext_proc and routing), upstream,
+#                              response_headers, sent, total (Envoy COMMON_DURATION, µs)
 #   RESPONSE=off               diagnosis only: Envoy skips the response phase (headers, body,
 #                              trailers) on the ext_proc stream, to measure that phase's share
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 secs=${1:-10}
 target=${CARGO_TARGET_DIR:-$root/target}
+# PIN=epp: the EPP alone on the last CPU, everything else on the rest. PIN=gateway: Envoy and
+# the EPP on the last CPU, the sim and wrk on the rest.
+epp_pin=(); envoy_pin=(); rest_pin=()
+case "${PIN:-}" in
+  "") ;;
+  epp|gateway)
+    last=$(( $(nproc) - 1 ))
+    [ "$last" -ge 1 ] || { echo "PIN=$PIN needs at least 2 CPUs"; exit 2; }
+    epp_pin=(taskset -c "$last"); rest_pin=(taskset -c "0-$(( last - 1 ))")
+    envoy_pin=("${rest_pin[@]}")
+    [ "$PIN" = gateway ] && envoy_pin=("${epp_pin[@]}") ;;
+  *) echo "PIN must be epp or gateway, not '$PIN'"; exit 2 ;;
+esac
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install -y wrk)"; exit 2; }
 # One package per build: built together, feature unification recompiles the EPP's whole
 # dependency tree (k8s-openapi included) with the simulator's features.
@@ -40,16 +62,21 @@ cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
 sim=$(port)
-RUST_LOG=warn "$target/release/kvgate-sim" --host 127.0.0.1 --port "$sim" --model m --time-scale 1000 \
+# Every latency case's prompt is new, so the sim's prefix cache never hits there; hashing each
+# prompt's blocks only costs the sim CPU (a 220 KB prompt is ~3,400 SHA-256 block hashes) on
+# the cores it shares with Envoy and the EPP. SIM_PREFIX_CACHING=1 turns it back on.
+sim_cache=(--no-enable-prefix-caching)
+[ "${SIM_PREFIX_CACHING:-0}" = 1 ] && sim_cache=()
+RUST_LOG=warn "${rest_pin[@]}" "$target/release/kvgate-sim" --host 127.0.0.1 --port "$sim" --model m --time-scale 1000 \
   --max-num-seqs 512 --max-waiting 0 --max-model-len 1000000 --num-gpu-blocks-override 400000 \
-  --max-num-batched-tokens 1000000 > "$run/sim.log" 2>&1 &
+  --max-num-batched-tokens 1000000 "${sim_cache[@]}" ${SIM_ARGS:-} > "$run/sim.log" 2>&1 &
 pids+=($!)
 printf 'endpoints:\n  - {name: sim-0, address: 127.0.0.1, ports: [%s]}\n' "$sim" > "$run/endpoints.yaml"
 ext=$(port); health=$(port); metrics=$(port); direct=$(port); epp=$(port); admin=$(port)
 tokargs=()
 [ -f "$tok/tokenizer.json" ] && tokargs=(--tokenizer-dir "$tok")
 read -r -a extra <<<"${EPP_ARGS:-}"
-RUST_LOG=warn "$EPP_BIN" --pool-name bench --discovery file --endpoints-file "$run/endpoints.yaml" \
+RUST_LOG=warn "${epp_pin[@]}" "$EPP_BIN" --pool-name bench --discovery file --endpoints-file "$run/endpoints.yaml" \
   --plaintext --grpc-port "$ext" --grpc-health-port "$health" --metrics-port "$metrics" --model m \
   "${tokargs[@]}" "${extra[@]}" > "$run/epp.log" 2>&1 &
 epp_pid=$!; pids+=($epp_pid)
@@ -68,7 +95,7 @@ sed -e "s/@ADMIN@/$admin/; s/@DIRECT@/$direct/; s/@EPP@/$epp/; s/@EXTPROC@/$ext/
 if [ "${RESPONSE:-on}" = off ]; then
   sed -i -e 's/response_header_mode: SEND/response_header_mode: SKIP/; s/response_body_mode: FULL_DUPLEX_STREAMED/response_body_mode: NONE/; s/response_trailer_mode: SEND/response_trailer_mode: SKIP/' "$run/envoy.yaml"
 fi
-"$envoy" -c "$run/envoy.yaml" --log-level warn --concurrency 1 > "$run/envoy.log" 2>&1 &
+"${envoy_pin[@]}" "$envoy" -c "$run/envoy.yaml" --log-level warn --concurrency 1 > "$run/envoy.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$admin/ready" >/dev/null && break; sleep 0.1; done
 for _ in $(seq 100); do curl -sf -o /dev/null "http://127.0.0.1:$epp/v1/models" && break; sleep 0.2; done
@@ -78,11 +105,26 @@ for _ in $(seq 100); do curl -sf -o /dev/null "http://127.0.0.1:$epp/v1/models" 
 # replays the prompts of the warm-up before it.
 load() {
   local n; n=$(( $(cat "$run/wrk-runs" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$run/wrk-runs"
-  RUN=$n BODY_BYTES=$3 HISTORY=$4 wrk -t"$(( $2 < 2 ? 1 : 2 ))" -c"$2" -d"${5:-$secs}s" --latency --timeout 60s \
+  RUN=$n BODY_BYTES=$3 HISTORY=$4 "${rest_pin[@]}" wrk -t"$(( $2 < 2 ? 1 : 2 ))" -c"$2" -d"${5:-$secs}s" --latency --timeout 60s \
     -s "$root/e2e/bench/overhead.lua" "http://127.0.0.1:$1" 2>&1 | grep '^RESULT' || echo "RESULT failed"
 }
+# ACCESS_LOG=1: p50 / p99 (µs) of each phase over a listener's log lines after line $2.
+phases() {
+  [ "${ACCESS_LOG:-0}" = 1 ] || return 0
+  sleep 1.2 # Envoy flushes access logs every second
+  tail -n +"$(( $2 + 1 ))" "$run/access-$1.log" | python3 -c '
+import sys
+rows = [l.split() for l in sys.stdin if l.strip()]
+out = []
+for i, name in enumerate(["received", "to_upstream", "upstream", "response_headers", "sent", "total"]):
+    v = sorted(int(r[i]) for r in rows if len(r) > i and r[i] != "-")
+    if v:
+        out.append(f"{name} {v[len(v) // 2]}/{v[min(len(v) - 1, len(v) * 99 // 100)]}")
+print("  phases (us, p50/p99): " + "  ".join(out))'
+}
+lines() { [ "${ACCESS_LOG:-0}" = 1 ] && { sleep 1.2; wc -l < "$run/access-$1.log"; } || echo 0; }
 field() { sed -n "s/.*$1=\([0-9]*\).*/\1/p" <<<"$2"; }
-echo "machine: $(nproc) cores, $(uname -r); envoy --concurrency 1; sim --time-scale 1000"
+echo "machine: $(nproc) cores, $(uname -r); envoy --concurrency 1; sim --time-scale 1000 ${sim_cache[*]} ${SIM_ARGS:-}; pinned: ${PIN:-no}"
 echo "tokenizer: ${tokargs[*]:-byte fallback}; ${secs}s per run; warm-up 3s per case"
 echo "epp: $EPP_BIN ${EPP_ARGS:-}; response phase ${RESPONSE:-on}; text ${TEXT:-random}; load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 printf '%-8s %-4s %-7s %9s %9s %9s %9s %9s %9s %8s\n' body conc path p50_ms p99_ms reqs added_p50 added_p99 non2xx
@@ -90,6 +132,7 @@ for case in $cases; do
   size=${case%%:*}; conc=${case##*:}
   {
     load "$direct" "$conc" "$size" 0 3 >/dev/null; load "$epp" "$conc" "$size" 0 3 >/dev/null
+    ld=$(lines direct); le=$(lines epp)
     d=$(load "$direct" "$conc" "$size" 0); e=$(load "$epp" "$conc" "$size" 0)
     for which in direct epp; do
       r=$([ $which = direct ] && echo "$d" || echo "$e")
@@ -102,6 +145,7 @@ for case in $cases; do
       printf '%-8s %-4s %-7s %9s %9s %9s %9s %9s %8s\n' "$size" "$conc" "$which" \
         "$(python3 -c "print(f'{${p50:-0}/1000:.2f}')")" "$(python3 -c "print(f'{${p99:-0}/1000:.2f}')")" \
         "$(field requests "$r")" "$add50" "$add99" "$(field non2xx "$r")"
+      phases "$which" "$([ $which = direct ] && echo "$ld" || echo "$le")"
     done
   }
 done
