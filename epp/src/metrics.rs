@@ -146,6 +146,24 @@ pub fn render(s: &Sources) -> String {
         "Blocks evicted from the index to stay within capacity.",
         stats.evicted_blocks as f64,
     );
+    metric(
+        "kvgate_epp_index_blocking_growths_total",
+        "counter",
+        "Index shard tables doubled in place, holding that shard's lookups for the copy (ingest grows them from a copy instead; alert if this keeps rising).",
+        stats.table_growths_blocking as f64,
+    );
+    metric(
+        "kvgate_epp_index_shared_growths_total",
+        "counter",
+        "Index shard tables grown from a copy built while lookups went on.",
+        stats.table_growths_shared as f64,
+    );
+    metric(
+        "kvgate_epp_index_speculation_skipped_total",
+        "counter",
+        "Speculative residencies dropped because their index shard was being grown.",
+        stats.speculation_skipped as f64,
+    );
     if let Some(i) = &s.ingest {
         for (name, help, v) in [
             (

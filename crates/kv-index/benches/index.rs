@@ -14,12 +14,13 @@
 //! | `KVGATE_BENCH_NAIVE` | 1 | also run the naive model (0: skip) |
 //! | `KVGATE_BENCH_SPEC_CALLS` | 20000 | `speculate` calls in the speculation run |
 //! | `KVGATE_BENCH_SHARDS` | the index's default | shards of every index built (also the mooncake bench) |
+//! | `KVGATE_BENCH_GROW_ENTRIES` | 10000000 | blocks written in the growth run |
 //!
 //! Memory is counted by a wrapping global allocator: bytes live after building the index
 //! minus bytes live before, per resident (block, holder) entry.
 //!
-//! Run: `cargo bench -p kvgate-kv-index --bench index` (`-- apply`, `-- lookup` or
-//! `-- speculate` for one).
+//! Run: `cargo bench -p kvgate-kv-index --bench index` (`-- apply`, `-- lookup`,
+//! `-- speculate` or `-- grow` for one).
 
 #![allow(
     clippy::unwrap_used,
@@ -385,6 +386,74 @@ fn bench_speculate() {
     ));
 }
 
+/// Lookups while the index grows from empty: one thread writes `KVGATE_BENCH_GROW_ENTRIES`
+/// new blocks in 32-key batches while another looks up one resident 512-key prompt without
+/// pause. Run twice, the blocks written as stores (`apply`: tables grow from a copy built under
+/// the shared lock) and as speculation (`speculate`: tables double in place under the
+/// exclusive lock, as every writer did before), so the lookup tail shows what a doubling costs
+/// the request path each way.
+fn bench_grow() {
+    let entries = env_usize("KVGATE_BENCH_GROW_ENTRIES", 10_000_000);
+    let prompt: Vec<BlockKey> = (0..512u64).map(|i| BlockKey(mix(i, 0xFEED))).collect();
+    let cands = [ep(0), ep(1)];
+    for mode in ["stores (apply)", "speculation"] {
+        let idx = Arc::new(KvIndex::new(index_config(1 << 30)).unwrap());
+        idx.apply(Holder::Endpoint(ep(0)), &[stored(prompt.clone())]);
+        let stop = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (idx, stop, prompt) = (Arc::clone(&idx), Arc::clone(&stop), prompt.clone());
+            std::thread::spawn(move || {
+                let mut samples = Vec::new();
+                let mut out = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    out.clear();
+                    let t = Instant::now();
+                    idx.find_matches_into(&prompt, &cands, &mut out);
+                    samples.push(t.elapsed());
+                    assert_eq!(out[0].reach(Tier::Gpu), 512);
+                }
+                samples
+            })
+        };
+        let t = Instant::now();
+        let mut key = 0u64;
+        while (key as usize) < entries {
+            let keys: Vec<BlockKey> = (key..key + 32).map(|k| BlockKey(mix(k, 7))).collect();
+            key += 32;
+            if mode == "speculation" {
+                idx.speculate(
+                    ep(1),
+                    &keys,
+                    kv_index::Millis(0),
+                    kv_index::Millis(u64::MAX / 2),
+                );
+            } else {
+                idx.apply(Holder::Endpoint(ep(1)), &[stored(keys)]);
+            }
+        }
+        let build = t.elapsed();
+        stop.store(true, Ordering::Relaxed);
+        let mut s = reader.join().unwrap();
+        let n = s.len();
+        s.sort_unstable();
+        let p999 = s[(n * 999 / 1000).min(n - 1)].as_nanos();
+        let over_ms = s.iter().filter(|d| d.as_micros() >= 1000).count();
+        let (p50, p99, max) = percentiles(&mut s);
+        let st = idx.stats();
+        report(&format!(
+            "grow, {mode}: {} blocks written in {:.2} s while looking up a resident 512-key prompt: p50 {:.2} us, p99 {:.2} us, p99.9 {:.1} us, max {:.1} ms, {over_ms} over 1 ms ({n} lookups); table growths: {} in place, {} from a copy",
+            st.blocks - 512,
+            build.as_secs_f64(),
+            p50 as f64 / 1e3,
+            p99 as f64 / 1e3,
+            p999 as f64 / 1e3,
+            max as f64 / 1e6,
+            st.table_growths_blocking,
+            st.table_growths_shared,
+        ));
+    }
+}
+
 fn main() {
     if !common::bench_requested() {
         return;
@@ -401,5 +470,8 @@ fn main() {
     }
     if which.is_empty() || which == "speculate" {
         bench_speculate();
+    }
+    if which.is_empty() || which == "grow" {
+        bench_grow();
     }
 }

@@ -24,7 +24,7 @@
 //!   follows a log from the last key it fed (a *cursor*) and lets it plan the next probe batch.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -37,7 +37,9 @@ use crate::matcher::{Matcher, NodeOf};
 use crate::overlap::Overlap;
 use crate::runs::{LogCell, RunCtx, RunLog, Runs, Zero};
 use crate::shard::{Op, Shard};
-use crate::table::{ALL_TIERS, Bits, Holders, NO_POS, SPEC, Table, entry, one_word, tier_bit};
+use crate::table::{
+    ALL_TIERS, Bits, Grown, Holders, NO_POS, SPEC, Table, entry, one_word, tier_bit,
+};
 use crate::time::Millis;
 
 /// Ops applied per exclusive hold of a shard (bounds how long a lookup can wait on a writer).
@@ -79,6 +81,27 @@ pub struct IndexStats {
     pub evicted_blocks: u64,
     /// Bytes in the index's tables (capacity-based; excludes allocator overhead).
     pub heap_bytes: usize,
+    /// Shard tables doubled in place, under the exclusive lock: every lookup of that shard
+    /// waited for the copy (milliseconds at millions of blocks). Ingest grows tables before
+    /// that point, so this counts only growth that speculation or a contended writer forced.
+    pub table_growths_blocking: u64,
+    /// Shard tables grown by a copy built under the shared lock (lookups went on) and
+    /// installed in O(1).
+    pub table_growths_shared: u64,
+    /// Speculative residencies dropped because their shard's table was being copied to grow
+    /// (speculation is a hint; the request path does not wait for the copy).
+    pub speculation_skipped: u64,
+}
+
+/// How a flush treats shard tables that must grow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Growth {
+    /// Build a grown copy of a shard's table under the shared lock, before writing the shard,
+    /// when the writes may take it past [`Table::wants_room`] (ingest).
+    Early,
+    /// Never build one (speculation, on the request path), and drop the writes to a shard
+    /// whose table another writer is copying rather than wait for the copy.
+    Skip,
 }
 
 /// The global prefix index: block keys → the endpoints and nodes holding them, per tier.
@@ -89,6 +112,10 @@ pub struct KvIndex {
     waiting: Box<[AtomicU32]>,
     /// Sum of `waiting`, so lookups check one word when nobody waits.
     any_waiting: AtomicU32,
+    /// Per shard: grown copies of its table being built (speculation skips such shards).
+    growing: Box<[AtomicU32]>,
+    /// Speculative residencies dropped for a growing shard.
+    spec_skipped: AtomicU64,
     shift: u32,
     /// Endpoint → node raw id.
     nodes: RwLock<U64Map<u32, u32>>,
@@ -268,6 +295,8 @@ impl KvIndex {
                 .collect(),
             waiting: (0..config.shards).map(|_| AtomicU32::new(0)).collect(),
             any_waiting: AtomicU32::new(0),
+            growing: (0..config.shards).map(|_| AtomicU32::new(0)).collect(),
+            spec_skipped: AtomicU64::new(0),
             shift: 64 - config.shards.trailing_zeros(),
             nodes: RwLock::new(U64Map::default()),
             runs: Runs::default(),
@@ -341,7 +370,7 @@ impl KvIndex {
                             }
                         }
                         KvEvent::Cleared { tier } => {
-                            self.flush(holder, ops, Millis(0), log, zeros);
+                            self.flush(holder, ops, Millis(0), Growth::Early, log, zeros);
                             let bits = tier.map_or(ALL_TIERS, tier_bit);
                             // A GPU (or full) clear drops the source's speculation too.
                             let bits = if bits & 1 != 0 { bits | SPEC } else { bits };
@@ -350,7 +379,7 @@ impl KvIndex {
                         KvEvent::Unknown => {}
                     }
                 }
-                self.flush(holder, ops, Millis(0), log, zeros);
+                self.flush(holder, ops, Millis(0), Growth::Early, log, zeros);
             });
         });
     }
@@ -397,6 +426,7 @@ impl KvIndex {
         holder: u32,
         ops: &mut [Vec<Op>],
         deadline: Millis,
+        growth: Growth,
         log: &mut RunLog,
         zeros: &mut Vec<Zero>,
     ) {
@@ -406,28 +436,65 @@ impl KvIndex {
             runs: Some(&self.runs),
             zeros,
         };
-        self.flush_with(holder, ops, deadline, &mut ctx);
+        self.flush_with(holder, ops, deadline, growth, &mut ctx);
     }
 
-    fn flush_with(&self, holder: u32, ops: &mut [Vec<Op>], deadline: Millis, ctx: &mut RunCtx<'_>) {
+    fn flush_with(
+        &self,
+        holder: u32,
+        ops: &mut [Vec<Op>],
+        deadline: Millis,
+        growth: Growth,
+        ctx: &mut RunCtx<'_>,
+    ) {
         // First touch every line the ops will write, in all shards at once, under *shared*
         // locks (so lookups are not held up, and nothing waits: `try_read` only): an `apply`
         // of a few chains spreads over every shard, and touching shard by shard under its
         // exclusive lock stalled once per shard (the unlock's fence waits for the writes'
         // misses); this way the misses of all shards overlap, and each exclusive hold is short.
+        //
+        // Under the same shared lock, a shard whose table these writes may take past
+        // `wants_room` gets a grown copy of it (`Growth::Early`): lookups go on during the copy,
+        // and the exclusive hold that writes the shard installs it in O(1), where growing in
+        // place would hold every lookup of the shard for the whole copy.
+        let mut grown: Vec<(usize, Grown)> = Vec::new();
+        // Slots replaced by installed copies, freed at the end, with no lock held.
+        let mut retired = Vec::new();
         let sink = ops.iter().enumerate().fold(0, |a, (i, v)| {
             if v.is_empty() {
                 return a;
             }
             match self.shards.get(i).map(RwLock::try_read) {
-                Some(Ok(g)) => a ^ g.touch(holder, v),
+                Some(Ok(g)) => {
+                    if growth == Growth::Early && g.wants_room(v) {
+                        if let Some(n) = self.growing.get(i) {
+                            n.fetch_add(1, Relaxed);
+                        }
+                        grown.push((i, g.grown(v)));
+                    }
+                    a ^ g.touch(holder, v)
+                }
                 _ => a,
             }
         });
         std::hint::black_box(sink);
+        // Installs shard `i`'s grown copy, if one was built, before its first write.
+        let mut install = |i: usize, shard: &mut Shard| {
+            if let Some(p) = grown.iter().position(|&(j, _)| j == i) {
+                let (_, copy) = grown.swap_remove(p);
+                retired.extend(shard.install(copy));
+                if let Some(n) = self.growing.get(i) {
+                    n.fetch_sub(1, Relaxed);
+                }
+            }
+        };
         let mut blocked = Vec::new();
         for (i, v) in ops.iter_mut().enumerate() {
             if v.is_empty() {
+                continue;
+            }
+            if growth == Growth::Skip && self.copying(i) {
+                self.skip_speculation(v);
                 continue;
             }
             if v.len() <= WRITE_BATCH {
@@ -436,9 +503,14 @@ impl KvIndex {
                     continue;
                 };
                 match lock.try_write() {
-                    Ok(mut g) => g.apply_touched(holder, v, deadline, ctx),
+                    Ok(mut g) => {
+                        install(i, &mut g);
+                        g.apply_touched(holder, v, deadline, ctx);
+                    }
                     Err(TryLockError::Poisoned(p)) => {
-                        p.into_inner().apply_touched(holder, v, deadline, ctx);
+                        let mut g = p.into_inner();
+                        install(i, &mut g);
+                        g.apply_touched(holder, v, deadline, ctx);
                     }
                     Err(TryLockError::WouldBlock) => {
                         blocked.push(i);
@@ -449,46 +521,87 @@ impl KvIndex {
                 continue;
             }
             match self.shards.get(i).map(RwLock::try_write) {
-                Some(Ok(g)) => self.write_all(i, g, holder, v, deadline, ctx),
+                Some(Ok(mut g)) => {
+                    install(i, &mut g);
+                    self.write_all(i, g, holder, v, deadline, ctx);
+                }
                 Some(Err(TryLockError::Poisoned(p))) => {
-                    self.write_all(i, p.into_inner(), holder, v, deadline, ctx);
+                    let mut g = p.into_inner();
+                    install(i, &mut g);
+                    self.write_all(i, g, holder, v, deadline, ctx);
                 }
                 Some(Err(TryLockError::WouldBlock)) => blocked.push(i),
                 None => v.clear(),
             }
         }
-        if blocked.is_empty() {
-            return;
-        }
-        for &i in &blocked {
-            if let Some(w) = self.waiting.get(i) {
-                w.fetch_add(1, Relaxed);
-            }
-        }
-        self.any_waiting.fetch_add(blocked.len() as u32, Relaxed);
-        let mut backoff = Backoff::new();
-        while !blocked.is_empty() {
-            let before = blocked.len();
-            blocked.retain(|&i| {
-                let g = match self.shards.get(i).map(RwLock::try_write) {
-                    Some(Ok(g)) => g,
-                    Some(Err(TryLockError::Poisoned(p))) => p.into_inner(),
-                    Some(Err(TryLockError::WouldBlock)) => return true,
-                    None => return false,
-                };
+        if !blocked.is_empty() {
+            for &i in &blocked {
                 if let Some(w) = self.waiting.get(i) {
-                    w.fetch_sub(1, Relaxed);
+                    w.fetch_add(1, Relaxed);
                 }
-                self.any_waiting.fetch_sub(1, Relaxed);
-                if let Some(v) = ops.get_mut(i) {
-                    self.write_all(i, g, holder, v, deadline, ctx);
+            }
+            self.any_waiting.fetch_add(blocked.len() as u32, Relaxed);
+            let mut backoff = Backoff::new();
+            while !blocked.is_empty() {
+                let before = blocked.len();
+                blocked.retain(|&i| {
+                    let skip = growth == Growth::Skip && self.copying(i);
+                    let g = if skip {
+                        None
+                    } else {
+                        match self.shards.get(i).map(RwLock::try_write) {
+                            Some(Ok(g)) => Some(g),
+                            Some(Err(TryLockError::Poisoned(p))) => Some(p.into_inner()),
+                            Some(Err(TryLockError::WouldBlock)) => return true,
+                            None => None,
+                        }
+                    };
+                    let Some(mut g) = g else {
+                        if let Some(v) = ops.get_mut(i) {
+                            self.skip_speculation(v);
+                        }
+                        if let Some(w) = self.waiting.get(i) {
+                            w.fetch_sub(1, Relaxed);
+                        }
+                        self.any_waiting.fetch_sub(1, Relaxed);
+                        return false;
+                    };
+                    if let Some(w) = self.waiting.get(i) {
+                        w.fetch_sub(1, Relaxed);
+                    }
+                    self.any_waiting.fetch_sub(1, Relaxed);
+                    install(i, &mut g);
+                    if let Some(v) = ops.get_mut(i) {
+                        self.write_all(i, g, holder, v, deadline, ctx);
+                    }
+                    false
+                });
+                if blocked.len() == before {
+                    backoff.wait();
                 }
-                false
-            });
-            if blocked.len() == before {
-                backoff.wait();
             }
         }
+        // Copies whose shard was not written (its ops vanished): nobody installs them.
+        for (i, _) in grown {
+            if let Some(n) = self.growing.get(i) {
+                n.fetch_sub(1, Relaxed);
+            }
+        }
+        drop(retired);
+    }
+
+    /// Whether a grown copy of shard `i`'s table is being built or waits to be installed:
+    /// speculation and expiry leave the shard alone meanwhile, since any edit would make the
+    /// copy stale (and the table then grow in place, holding lookups).
+    fn copying(&self, i: usize) -> bool {
+        self.growing.get(i).is_some_and(|n| n.load(Relaxed) > 0)
+    }
+
+    /// Drops speculative writes to a shard being grown (speculation is a hint; the request
+    /// path does not wait for the copy), counting them.
+    fn skip_speculation(&self, ops: &mut Vec<Op>) {
+        self.spec_skipped.fetch_add(ops.len() as u64, Relaxed);
+        ops.clear();
     }
 
     /// Applies `ops` to shard `i`: the first chunk under `g`, the rest re-locking per chunk.
@@ -554,7 +667,7 @@ impl KvIndex {
                 let bits = snapshot.get(j).map_or(0, |&(_, t)| tier_bit(t));
                 Op::Set(k, bits, pos)
             });
-            self.flush(holder, &mut ops, Millis(0), log, zeros);
+            self.flush(holder, &mut ops, Millis(0), Growth::Early, log, zeros);
         });
     }
 
@@ -584,7 +697,7 @@ impl KvIndex {
                 OPS.with_borrow_mut(|ops| {
                     ops.resize_with(self.shards.len(), Vec::new);
                     self.bucket(ops, keys, log, |_, k, pos| Op::Spec(k, pos));
-                    self.flush(holder, ops, deadline, log, zeros);
+                    self.flush(holder, ops, deadline, Growth::Skip, log, zeros);
                 });
                 log.zero_own(holder, zeros);
             })
@@ -599,18 +712,23 @@ impl KvIndex {
                 }
                 ZEROS.with_borrow_mut(|zeros| {
                     let mut ctx = RunCtx::deferred(&self.runs, zeros);
-                    self.flush_with(holder, ops, deadline, &mut ctx);
+                    self.flush_with(holder, ops, deadline, Growth::Skip, &mut ctx);
                 });
             });
         }
         ZEROS.with_borrow_mut(|zeros| self.runs.apply_zeros(zeros));
     }
 
-    /// Drops speculative entries whose deadline is at or before `now`; returns how many.
+    /// Drops speculative entries whose deadline is at or before `now`; returns how many. A
+    /// shard whose table is being grown from a copy is left for the next call.
     pub fn expire(&self, now: Millis) -> usize {
         let mut n = 0;
         ZEROS.with_borrow_mut(|zeros| {
             for i in 0..self.shards.len() {
+                if self.copying(i) {
+                    // Its entries expire at the next call; an edit now would waste the copy.
+                    continue;
+                }
                 while let Some((k, more)) = self.with_shard(i, |s| {
                     let mut ctx = RunCtx::deferred(&self.runs, zeros);
                     s.expire(now, WRITE_BATCH, &mut ctx)
@@ -841,8 +959,12 @@ impl KvIndex {
             st.residencies += s.residencies();
             st.evicted_blocks += s.evicted();
             st.heap_bytes += s.heap_bytes();
+            let (blocking, shared) = s.growths();
+            st.table_growths_blocking += blocking;
+            st.table_growths_shared += shared;
         }
         st.heap_bytes += self.runs.heap_bytes();
+        st.speculation_skipped = self.spec_skipped.load(Relaxed);
         st
     }
 }
@@ -877,6 +999,84 @@ mod tests {
                 "entry of key {k}"
             );
         }
+    }
+
+    fn stored(keys: &[BlockKey]) -> KvEvent {
+        KvEvent::Stored {
+            keys: keys.to_vec(),
+            parent: None,
+            tier: Tier::Gpu,
+            lora: None,
+            token_count: 16 * keys.len() as u32,
+        }
+    }
+
+    /// Ingest grows shard tables from a copy built under the shared lock, never in place under
+    /// the exclusive one (which would hold every lookup of the shard for the whole copy);
+    /// speculation, which never builds copies, still grows in place when it fills a table.
+    #[test]
+    fn ingest_grows_tables_off_the_exclusive_lock() {
+        let config = IndexConfig {
+            shards: 4,
+            capacity: 1 << 20,
+        };
+        let idx = KvIndex::new(config).unwrap();
+        let e = EndpointId::new(1).unwrap();
+        let keys: Vec<BlockKey> = (0..20_000).map(key).collect();
+        for chunk in keys.chunks(32) {
+            idx.apply(Holder::Endpoint(e), &[stored(chunk)]);
+        }
+        let st = idx.stats();
+        assert_eq!(st.blocks, 20_000);
+        assert_eq!(st.table_growths_blocking, 0);
+        // From empty to ≥ 20,000 / 4 blocks per shard at ≤ 11/16 load: about 12 doublings each.
+        assert!(st.table_growths_shared >= 4 * 10, "{st:?}");
+        assert_eq!(idx.find_matches(&keys, &[e])[0].reaches()[0], 20_000);
+
+        let idx = KvIndex::new(config).unwrap();
+        for chunk in keys.chunks(32) {
+            idx.speculate(e, chunk, Millis(0), Millis(1_000_000));
+        }
+        let st = idx.stats();
+        assert_eq!(st.blocks, 20_000);
+        assert_eq!(st.table_growths_shared, 0);
+        assert!(st.table_growths_blocking >= 4 * 10, "{st:?}");
+    }
+
+    /// While a shard's table is being copied to grow (a reader holds its shared lock and the
+    /// shard is marked growing), speculation drops its writes to that shard instead of waiting
+    /// for the copy, and counts them; the other shards get theirs.
+    #[test]
+    fn speculation_skips_a_shard_whose_table_is_being_copied() {
+        let idx = KvIndex::new(IndexConfig {
+            shards: 4,
+            capacity: 1 << 20,
+        })
+        .unwrap();
+        let e = EndpointId::new(2).unwrap();
+        let keys: Vec<BlockKey> = (0..400).map(key).collect();
+        let in_0 = keys.iter().filter(|&&k| idx.shard_of(k) == 0).count();
+        assert!(in_0 > 0 && in_0 < keys.len());
+        let (done, finished) = mpsc::channel();
+        std::thread::scope(|s| {
+            let copying = idx.shards[0].read().unwrap();
+            idx.growing[0].fetch_add(1, Relaxed);
+            s.spawn(|| {
+                idx.speculate(e, &keys, Millis(0), Millis(1_000));
+                done.send(()).unwrap();
+            });
+            // A generous bound only so a regression fails instead of hanging.
+            finished
+                .recv_timeout(Duration::from_secs(60))
+                .expect("speculate waited for the copy");
+            idx.growing[0].fetch_sub(1, Relaxed);
+            drop(copying);
+        });
+        let st = idx.stats();
+        assert_eq!(st.speculation_skipped, in_0 as u64);
+        assert_eq!(st.blocks, keys.len() - in_0);
+        assert_eq!(idx.any_waiting.load(Relaxed), 0);
+        assert!(idx.waiting.iter().all(|w| w.load(Relaxed) == 0));
     }
 
     /// The EPP's request path must not wait behind a large ingest: while the endpoint's run

@@ -11,7 +11,7 @@ use kv_events::BlockKey;
 use kv_events::fasthash::{BuildU64Hasher, U64Map};
 
 use crate::runs::RunCtx;
-use crate::table::{Bits, NO_POS, SPEC, Table, Update};
+use crate::table::{Bits, Grown, NO_POS, Retired, SPEC, Table, Update};
 use crate::time::Millis;
 
 /// A write to one block for the batch's holder. Writes that may create a residency carry the
@@ -274,6 +274,30 @@ impl Shard {
 
     pub(crate) fn evicted(&self) -> u64 {
         self.core.evicted
+    }
+
+    /// Whether `ops` may create enough blocks that the table should grow before they apply
+    /// (see [`Table::wants_room`]); stores and speculation count, removals do not.
+    pub(crate) fn wants_room(&self, ops: &[Op]) -> bool {
+        let adding = ops.iter().filter(|op| !matches!(op, Op::Unset(..))).count();
+        adding > 0 && self.core.table.wants_room(adding)
+    }
+
+    /// The table's slots grown for `ops` ([`Table::grown`]), built under the shared lock.
+    pub(crate) fn grown(&self, ops: &[Op]) -> Grown {
+        let adding = ops.iter().filter(|op| !matches!(op, Op::Unset(..))).count();
+        self.core.table.grown(adding)
+    }
+
+    /// Installs a grown copy if the table did not change since ([`Table::install`]); the
+    /// replaced slots are the caller's to drop, after letting go of the lock.
+    pub(crate) fn install(&mut self, grown: Grown) -> Option<Retired> {
+        self.core.table.install(grown)
+    }
+
+    /// Table doublings done in place and grown copies installed.
+    pub(crate) fn growths(&self) -> (u64, u64) {
+        self.core.table.growths()
     }
 
     /// Applies `holder`'s ops in order (`deadline` is for [`Op::Spec`]).

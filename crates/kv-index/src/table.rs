@@ -116,6 +116,54 @@ struct Slot {
     word: AtomicU64,
 }
 
+/// Where writers grow a table off the exclusive lock ([`Table::wants_room`]): 11/16 full.
+const GROW_EARLY: (usize, usize) = (11, 16);
+
+/// A table's slots rebuilt larger from a shared view ([`Table::grown`]), waiting to be
+/// installed.
+pub(crate) struct Grown {
+    buckets: Box<[Bucket]>,
+    shift: u32,
+    edits: u64,
+}
+
+impl std::fmt::Debug for Grown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grown")
+            .field("buckets", &self.buckets.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A table's slots replaced by a [`Grown`] copy: dropped by whoever installed it, after
+/// letting go of the shard's lock.
+pub(crate) struct Retired(#[allow(dead_code)] Box<[Bucket]>);
+
+impl std::fmt::Debug for Retired {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Retired").field(&self.0.len()).finish()
+    }
+}
+
+/// Puts `(key, w)` in the first vacant slot of its probe run in `buckets` (`shift`: as
+/// [`Table`]'s for that many buckets).
+fn place(buckets: &mut [Bucket], shift: u32, key: u64, w: u64) {
+    if buckets.is_empty() {
+        return;
+    }
+    let mask = buckets.len() * 4 - 1;
+    let mut i = ((mix(key) >> shift) as usize) << 2;
+    while let Some(s) = buckets.get_mut(i >> 2).and_then(|b| b.0.get_mut(i & 3)) {
+        let sw = s.word.get_mut();
+        if *sw == 0 {
+            *sw = w;
+            s.key = key;
+            return;
+        }
+        i = (i + 1) & mask;
+    }
+}
+
 /// Four slots in one cache line: a key's probe starts at its bucket's first slot, so a
 /// resident block is almost always found in the one line its bucket occupies.
 #[derive(Debug, Default)]
@@ -199,6 +247,13 @@ pub(crate) struct Table {
     shift: u32,
     /// Occupied slots (= blocks).
     len: usize,
+    /// Mutable slot accesses so far: a [`Grown`] copy is installed only if none happened
+    /// since it was taken.
+    edits: u64,
+    /// Doublings done in place, under the exclusive lock (lookups of the shard waited).
+    growths_blocking: u64,
+    /// Grown copies installed (built under the shared lock while lookups went on).
+    growths_shared: u64,
     arena: Vec<u64>,
     /// Free arena chunks by class.
     free: Vec<Vec<u32>>,
@@ -234,6 +289,7 @@ impl Table {
     }
 
     fn slot_mut(&mut self, i: usize) -> Option<&mut Slot> {
+        self.edits = self.edits.wrapping_add(1);
         self.buckets.get_mut(i >> 2)?.0.get_mut(i & 3)
     }
 
@@ -652,24 +708,13 @@ impl Table {
         if (self.len + 1) * 4 > self.capacity() * 3 {
             self.grow();
         }
-        self.place(key, w);
+        self.edits = self.edits.wrapping_add(1);
+        place(&mut self.buckets, self.shift, key, w);
         self.len += 1;
     }
 
-    fn place(&mut self, key: u64, w: u64) {
-        let mask = self.mask();
-        let mut i = self.home(key);
-        while let Some(s) = self.slot_mut(i) {
-            let sw = s.word.get_mut();
-            if *sw == 0 {
-                *sw = w;
-                s.key = key;
-                return;
-            }
-            i = (i + 1) & mask;
-        }
-    }
-
+    /// Doubles the table in place (under the exclusive lock: every lookup of the shard waits
+    /// for the whole copy). Writers avoid it by installing a [`Table::grown`] copy first.
     fn grow(&mut self) {
         let n = (self.buckets.len() * 2).max(MIN_CAP / 4);
         let old = std::mem::replace(
@@ -681,10 +726,67 @@ impl Table {
             for s in b.0 {
                 let w = s.word.into_inner();
                 if w != 0 {
-                    self.place(s.key, w);
+                    place(&mut self.buckets, self.shift, s.key, w);
                 }
             }
         }
+        self.edits = self.edits.wrapping_add(1);
+        self.growths_blocking += 1;
+    }
+
+    /// Whether `additional` new blocks would take the table past [`GROW_EARLY`] of its
+    /// slots: the point where a writer builds a grown copy, below the in-place threshold (3/4)
+    /// so that writes that do not grow early (speculation) rarely reach the in-place one.
+    pub(crate) fn wants_room(&self, additional: usize) -> bool {
+        let (num, den) = GROW_EARLY;
+        (self.len + additional) * den > self.capacity() * num
+    }
+
+    /// A copy of the slots in a table at least twice as large and with room for `additional`
+    /// more blocks below [`GROW_EARLY`], built from `&self`: under the shared lock, so lookups
+    /// go on meanwhile (they may set reference bits the copy misses; those are CLOCK hints).
+    /// The arena is shared, not copied: slot words keep their offsets.
+    pub(crate) fn grown(&self, additional: usize) -> Grown {
+        let (num, den) = GROW_EARLY;
+        let mut n = (self.buckets.len() * 2).max(MIN_CAP / 4);
+        while (self.len + additional) * den > n * 4 * num {
+            n *= 2;
+        }
+        let mut buckets: Box<[Bucket]> = (0..n).map(|_| Bucket::default()).collect();
+        let shift = 64 - n.trailing_zeros();
+        for b in &self.buckets {
+            for s in &b.0 {
+                let w = s.word.load(Relaxed);
+                if w != 0 {
+                    place(&mut buckets, shift, s.key, w);
+                }
+            }
+        }
+        Grown {
+            buckets,
+            shift,
+            edits: self.edits,
+        }
+    }
+
+    /// Installs `g` (under the exclusive lock, O(1)) if no slot was edited since it was taken,
+    /// and returns the replaced slots, for the caller to drop once it has let go of the lock
+    /// (freeing tens of megabytes is not O(1)). `None`: not installed, the copy was dropped
+    /// (the table grows in place when full).
+    pub(crate) fn install(&mut self, g: Grown) -> Option<Retired> {
+        if g.edits != self.edits {
+            return None;
+        }
+        let old = std::mem::replace(&mut self.buckets, g.buckets);
+        self.shift = g.shift;
+        self.edits = self.edits.wrapping_add(1);
+        self.growths_shared += 1;
+        Some(Retired(old))
+    }
+
+    /// Doublings done in place (lookups waited) and grown copies installed.
+    pub(crate) fn growths(&self) -> (u64, u64) {
+        (self.growths_blocking, self.growths_shared)
     }
 
     /// Vacates slot `i`, shifting later entries of its probe run back (no tombstones).
@@ -744,6 +846,85 @@ mod tests {
             let u = self.update(key, h, f, h + 100);
             (u.old, u.new)
         }
+    }
+
+    /// Every (key, holder, bits) the table answers for `keys` × holders 1..=3.
+    fn contents(t: &Table, keys: impl Iterator<Item = u64>) -> Vec<(u64, u32, Bits)> {
+        keys.flat_map(|k| (1..=3).map(move |h| (k, h)))
+            .map(|(k, h)| (k, h, bits(t, k, h)))
+            .filter(|&(.., b)| b != 0)
+            .collect()
+    }
+
+    #[test]
+    fn a_grown_copy_installed_answers_like_the_table_it_replaces() {
+        let mut t = Table::default();
+        // Blocks with one holder and with several (arena chunks), some removed again.
+        for k in 1..=500u64 {
+            t.upd(k, 1, |b| b | 1);
+            if k % 3 == 0 {
+                t.upd(k, 2, |b| b | 2);
+            }
+            if k % 7 == 0 {
+                t.upd(k, 3, |b| b | 4);
+            }
+        }
+        for k in (1..=500u64).step_by(11) {
+            t.upd(k, 1, |_| 0);
+        }
+        let before = contents(&t, 1..=500);
+        let (len, cap) = (t.len(), t.capacity());
+        assert!(t.wants_room(cap));
+        let copy = t.grown(cap);
+        assert!(t.install(copy).is_some(), "nothing was edited since the copy");
+        assert_eq!(t.len(), len);
+        assert!(t.capacity() >= 2 * cap);
+        assert!(!t.wants_room(cap), "room for what the copy was sized for");
+        assert_eq!(contents(&t, 1..=500), before);
+        assert_eq!(t.growths().1, 1);
+        // Writes go on in the installed table; removals keep every probe run reachable.
+        let blocking = t.growths().0;
+        for k in 501..=800u64 {
+            t.upd(k, 2, |b| b | 1);
+        }
+        for k in (1..=800u64).step_by(5) {
+            t.upd(k, 2, |_| 0);
+        }
+        for k in 1..=800u64 {
+            let expect = if k % 5 == 1 {
+                0
+            } else if k > 500 || k % 3 == 0 {
+                1u8 << u8::from(k <= 500)
+            } else {
+                0
+            };
+            assert_eq!(bits(&t, k, 2), expect, "key {k}");
+        }
+        assert_eq!(
+            t.growths().0,
+            blocking,
+            "sized for 800 blocks: no growth in place"
+        );
+    }
+
+    #[test]
+    fn a_copy_taken_before_an_edit_is_not_installed() {
+        let mut t = Table::default();
+        for k in 1..=40u64 {
+            t.upd(k, 1, |b| b | 1);
+        }
+        let copy = t.grown(10);
+        t.upd(41, 1, |b| b | 1);
+        let cap = t.capacity();
+        assert!(t.install(copy).is_none(), "the copy lacks key 41");
+        assert_eq!(t.capacity(), cap);
+        assert_eq!(bits(&t, 41, 1), 1);
+        assert_eq!(t.growths().1, 0);
+        // A bits-only change is an edit too: the copy would carry the old word.
+        let copy = t.grown(10);
+        t.upd(5, 1, |b| b | 2);
+        assert!(t.install(copy).is_none());
+        assert_eq!(bits(&t, 5, 1), 3);
     }
 
     #[test]
