@@ -876,7 +876,10 @@ mod tests {
         let (len, cap) = (t.len(), t.capacity());
         assert!(t.wants_room(cap));
         let copy = t.grown(cap);
-        assert!(t.install(copy).is_some(), "nothing was edited since the copy");
+        assert!(
+            t.install(copy).is_some(),
+            "nothing was edited since the copy"
+        );
         assert_eq!(t.len(), len);
         assert!(t.capacity() >= 2 * cap);
         assert!(!t.wants_room(cap), "room for what the copy was sized for");
