@@ -478,6 +478,12 @@ impl KvIndex {
             }
         });
         std::hint::black_box(sink);
+        // Shards whose copy is this flush's. Another writer's pending copy of a shard makes
+        // this flush leave it alone until that copy is installed (any edit in between would
+        // waste the copy, and a race repeated on every flush would copy the table again and
+        // again): speculation drops its writes there, other writers wait as for the lock.
+        let own: Vec<usize> = grown.iter().map(|&(i, _)| i).collect();
+        let others_copy = |i: usize| !own.contains(&i) && self.copying(i);
         // Installs shard `i`'s grown copy, if one was built, before its first write.
         let mut install = |i: usize, shard: &mut Shard| {
             if let Some(p) = grown.iter().position(|&(j, _)| j == i) {
@@ -493,8 +499,11 @@ impl KvIndex {
             if v.is_empty() {
                 continue;
             }
-            if growth == Growth::Skip && self.copying(i) {
-                self.skip_speculation(v);
+            if others_copy(i) {
+                match growth {
+                    Growth::Skip => self.skip_speculation(v),
+                    Growth::Early => blocked.push(i),
+                }
                 continue;
             }
             if v.len() <= WRITE_BATCH {
@@ -545,8 +554,10 @@ impl KvIndex {
             while !blocked.is_empty() {
                 let before = blocked.len();
                 blocked.retain(|&i| {
-                    let skip = growth == Growth::Skip && self.copying(i);
-                    let g = if skip {
+                    let g = if others_copy(i) {
+                        if growth == Growth::Early {
+                            return true;
+                        }
                         None
                     } else {
                         match self.shards.get(i).map(RwLock::try_write) {
@@ -1077,6 +1088,41 @@ mod tests {
         assert_eq!(st.blocks, keys.len() - in_0);
         assert_eq!(idx.any_waiting.load(Relaxed), 0);
         assert!(idx.waiting.iter().all(|w| w.load(Relaxed) == 0));
+    }
+
+    /// A writer leaves a shard alone while another writer's grown copy of its table is pending
+    /// (an edit would waste the copy): it waits, then writes once the copy is installed.
+    #[test]
+    fn a_writer_waits_for_another_writers_pending_copy() {
+        let idx = KvIndex::new(IndexConfig {
+            shards: 4,
+            capacity: 1 << 20,
+        })
+        .unwrap();
+        let (a, b) = (EndpointId::new(1).unwrap(), EndpointId::new(2).unwrap());
+        let keys: Vec<BlockKey> = (0..200).map(key).collect();
+        idx.apply(Holder::Endpoint(a), &[stored(&keys)]);
+        let more: Vec<BlockKey> = (200..208).map(key).collect();
+        assert!(more.iter().any(|&k| idx.shard_of(k) == 0));
+        let (done, finished) = mpsc::channel();
+        std::thread::scope(|s| {
+            // Another writer's copy of shard 0 is pending.
+            idx.growing[0].fetch_add(1, Relaxed);
+            s.spawn(|| {
+                idx.apply(Holder::Endpoint(b), &[stored(&more)]);
+                done.send(()).unwrap();
+            });
+            assert!(
+                finished.recv_timeout(Duration::from_millis(200)).is_err(),
+                "the writer edited a shard whose copy was pending"
+            );
+            idx.growing[0].fetch_sub(1, Relaxed);
+            finished
+                .recv_timeout(Duration::from_secs(60))
+                .expect("the writer went on once the copy was gone");
+        });
+        assert_eq!(idx.find_matches(&more, &[b])[0].reaches()[0], 8);
+        assert_eq!(idx.stats().table_growths_blocking, 0);
     }
 
     /// The EPP's request path must not wait behind a large ingest: while the endpoint's run
