@@ -15,6 +15,7 @@
 //! | `KVGATE_BENCH_SPEC_CALLS` | 20000 | `speculate` calls in the speculation run |
 //! | `KVGATE_BENCH_SHARDS` | the index's default | shards of every index built (also the mooncake bench) |
 //! | `KVGATE_BENCH_GROW_ENTRIES` | 10000000 | blocks written in the growth run |
+//! | `KVGATE_BENCH_GROW_HOLDERS` | 1 | endpoints the growth run's batches go to, in turn |
 //!
 //! Memory is counted by a wrapping global allocator: bytes live after building the index
 //! minus bytes live before, per resident (block, holder) entry.
@@ -394,6 +395,7 @@ fn bench_speculate() {
 /// the request path each way.
 fn bench_grow() {
     let entries = env_usize("KVGATE_BENCH_GROW_ENTRIES", 10_000_000);
+    let holders = env_usize("KVGATE_BENCH_GROW_HOLDERS", 1).max(1);
     let prompt: Vec<BlockKey> = (0..512u64).map(|i| BlockKey(mix(i, 0xFEED))).collect();
     let cands = [ep(0), ep(1)];
     for mode in ["stores (apply)", "speculation"] {
@@ -419,16 +421,17 @@ fn bench_grow() {
         let mut key = 0u64;
         while (key as usize) < entries {
             let keys: Vec<BlockKey> = (key..key + 32).map(|k| BlockKey(mix(k, 7))).collect();
+            let writer = ep(1 + (key as usize / 32) % holders);
             key += 32;
             if mode == "speculation" {
                 idx.speculate(
-                    ep(1),
+                    writer,
                     &keys,
                     kv_index::Millis(0),
                     kv_index::Millis(u64::MAX / 2),
                 );
             } else {
-                idx.apply(Holder::Endpoint(ep(1)), &[stored(keys)]);
+                idx.apply(Holder::Endpoint(writer), &[stored(keys)]);
             }
         }
         let build = t.elapsed();
@@ -441,7 +444,7 @@ fn bench_grow() {
         let (p50, p99, max) = percentiles(&mut s);
         let st = idx.stats();
         report(&format!(
-            "grow, {mode}: {} blocks written in {:.2} s while looking up a resident 512-key prompt: p50 {:.2} us, p99 {:.2} us, p99.9 {:.1} us, max {:.1} ms, {over_ms} over 1 ms ({n} lookups); table growths: {} in place, {} from a copy",
+            "grow, {mode}, {holders} writer endpoint(s): {} blocks written in {:.2} s while looking up a resident 512-key prompt: p50 {:.2} us, p99 {:.2} us, p99.9 {:.1} us, max {:.1} ms, {over_ms} over 1 ms ({n} lookups); table growths: {} in place, {} from a copy",
             st.blocks - 512,
             build.as_secs_f64(),
             p50 as f64 / 1e3,
