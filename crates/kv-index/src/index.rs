@@ -466,11 +466,15 @@ impl KvIndex {
             }
             match self.shards.get(i).map(RwLock::try_read) {
                 Some(Ok(g)) => {
-                    if growth == Growth::Early && g.wants_room(v) {
+                    if growth == Growth::Early
+                        && let Some(adding) = g.wants_room(v)
+                    {
+                        // Marked before the copy starts, so speculation skips the shard
+                        // rather than wait for the copy's shared lock.
                         if let Some(n) = self.growing.get(i) {
                             n.fetch_add(1, Relaxed);
                         }
-                        grown.push((i, g.grown(v)));
+                        grown.push((i, g.grown(adding)));
                     }
                     a ^ g.touch(holder, v)
                 }

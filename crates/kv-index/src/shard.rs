@@ -276,16 +276,17 @@ impl Shard {
         self.core.evicted
     }
 
-    /// Whether `ops` may create enough blocks that the table should grow before they apply
-    /// (see [`Table::wants_room`]); stores and speculation count, removals do not.
-    pub(crate) fn wants_room(&self, ops: &[Op]) -> bool {
+    /// How many blocks `ops` may create (stores and speculation count, removals do not),
+    /// when that many could take the table past [`Table::wants_room`]: pass it to
+    /// [`Shard::grown`].
+    pub(crate) fn wants_room(&self, ops: &[Op]) -> Option<usize> {
         let adding = ops.iter().filter(|op| !matches!(op, Op::Unset(..))).count();
-        adding > 0 && self.core.table.wants_room(adding)
+        (adding > 0 && self.core.table.wants_room(adding)).then_some(adding)
     }
 
-    /// The table's slots grown for `ops` ([`Table::grown`]), built under the shared lock.
-    pub(crate) fn grown(&self, ops: &[Op]) -> Grown {
-        let adding = ops.iter().filter(|op| !matches!(op, Op::Unset(..))).count();
+    /// The table's slots grown for `adding` more blocks ([`Table::grown`]), built under the
+    /// shared lock.
+    pub(crate) fn grown(&self, adding: usize) -> Grown {
         self.core.table.grown(adding)
     }
 

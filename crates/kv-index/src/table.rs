@@ -716,20 +716,10 @@ impl Table {
     /// Doubles the table in place (under the exclusive lock: every lookup of the shard waits
     /// for the whole copy). Writers avoid it by installing a [`Table::grown`] copy first.
     fn grow(&mut self) {
-        let n = (self.buckets.len() * 2).max(MIN_CAP / 4);
-        let old = std::mem::replace(
-            &mut self.buckets,
-            (0..n).map(|_| Bucket::default()).collect(),
-        );
-        self.shift = 64 - n.trailing_zeros();
-        for b in old.into_vec() {
-            for s in b.0 {
-                let w = s.word.into_inner();
-                if w != 0 {
-                    place(&mut self.buckets, self.shift, s.key, w);
-                }
-            }
-        }
+        // At 3/4 load, twice the slots leave room below `GROW_EARLY`: one doubling.
+        let g = self.grown(0);
+        self.buckets = g.buckets;
+        self.shift = g.shift;
         self.edits = self.edits.wrapping_add(1);
         self.growths_blocking += 1;
     }
