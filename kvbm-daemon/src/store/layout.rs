@@ -1,0 +1,141 @@
+//! Block layouts: what a block's bytes mean (model, dtype, layers, tokens per block, size).
+//!
+//! Two blocks with the same kvgate key are interchangeable only within one layout, so every
+//! block the store holds is addressed by (layout, key). Connectors register their layout once
+//! per connection; the registry is bounded.
+
+use serde::{Deserialize, Serialize};
+
+/// A registered layout's number, dense from 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LayoutId(pub u32);
+
+/// What a connector declares about its blocks.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Layout {
+    /// The served model name (the `model` of the envelopes the daemon publishes for it).
+    pub model: String,
+    /// Element type of the cache, e.g. `fp8` or `bf16`.
+    pub dtype: String,
+    /// Attention layers in a block.
+    pub layers: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Bytes of one block; every block offloaded under this layout has exactly this size.
+    pub block_bytes: u64,
+}
+
+/// The most layouts one daemon holds (models × dtypes on one node).
+pub const MAX_LAYOUTS: usize = 64;
+/// The longest model or dtype name accepted.
+pub const MAX_NAME_BYTES: usize = 256;
+
+/// Why a layout was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// A field is empty, zero or too long.
+    #[error("invalid layout: {0}")]
+    Invalid(&'static str),
+    /// The registry is full.
+    #[error("too many layouts (at most {MAX_LAYOUTS})")]
+    Full,
+    /// A block is bigger than any tier.
+    #[error("a block of {block_bytes} bytes does not fit in any tier (largest {largest} bytes)")]
+    TooLarge {
+        /// The layout's block size.
+        block_bytes: u64,
+        /// The largest tier's capacity.
+        largest: u64,
+    },
+}
+
+impl Layout {
+    /// Checks the fields a connector could get wrong.
+    pub fn validate(&self) -> Result<(), LayoutError> {
+        let name_ok = |s: &str| !s.is_empty() && s.len() <= MAX_NAME_BYTES;
+        if !name_ok(&self.model) {
+            return Err(LayoutError::Invalid("model must be 1 to 256 bytes"));
+        }
+        if !name_ok(&self.dtype) {
+            return Err(LayoutError::Invalid("dtype must be 1 to 256 bytes"));
+        }
+        if self.layers == 0 || self.block_size == 0 || self.block_bytes == 0 {
+            return Err(LayoutError::Invalid(
+                "layers, block_size and block_bytes must be positive",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The registered layouts.
+#[derive(Debug, Default)]
+pub(crate) struct Layouts {
+    layouts: Vec<Layout>,
+}
+
+impl Layouts {
+    /// The id of `layout`, registering it when new.
+    pub(crate) fn register(&mut self, layout: Layout) -> Result<LayoutId, LayoutError> {
+        layout.validate()?;
+        if let Some(i) = self.layouts.iter().position(|l| *l == layout) {
+            return Ok(LayoutId(i as u32));
+        }
+        if self.layouts.len() >= MAX_LAYOUTS {
+            return Err(LayoutError::Full);
+        }
+        self.layouts.push(layout);
+        Ok(LayoutId((self.layouts.len() - 1) as u32))
+    }
+
+    pub(crate) fn get(&self, id: LayoutId) -> Option<&Layout> {
+        self.layouts.get(id.0 as usize)
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (LayoutId, &Layout)> {
+        self.layouts
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (LayoutId(i as u32), l))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn layout(model: &str) -> Layout {
+        Layout {
+            model: model.into(),
+            dtype: "fp8".into(),
+            layers: 80,
+            block_size: 32,
+            block_bytes: 64,
+        }
+    }
+
+    #[test]
+    fn registration_is_idempotent_and_bounded() {
+        let mut l = Layouts::default();
+        assert_eq!(l.register(layout("a")), Ok(LayoutId(0)));
+        assert_eq!(l.register(layout("b")), Ok(LayoutId(1)));
+        assert_eq!(l.register(layout("a")), Ok(LayoutId(0)));
+        for i in 2..MAX_LAYOUTS {
+            l.register(layout(&format!("m{i}"))).unwrap();
+        }
+        assert_eq!(l.register(layout("one-too-many")), Err(LayoutError::Full));
+        assert_eq!(l.get(LayoutId(1)).map(|l| l.model.as_str()), Some("b"));
+    }
+
+    #[test]
+    fn bad_layouts_are_refused() {
+        let mut bad = layout("");
+        assert!(bad.validate().is_err());
+        bad = layout("m");
+        bad.block_bytes = 0;
+        assert!(bad.validate().is_err());
+        bad = layout("m");
+        bad.dtype = "x".repeat(MAX_NAME_BYTES + 1);
+        assert!(bad.validate().is_err());
+    }
+}
