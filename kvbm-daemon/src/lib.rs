@@ -5,6 +5,7 @@
 //! This build parses and validates the configuration only; the rest lands with issue #8.
 
 mod args;
+pub mod remote;
 pub mod store;
 
 pub use args::Args;

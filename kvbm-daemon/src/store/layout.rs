@@ -50,6 +50,20 @@ pub enum LayoutError {
 }
 
 impl Layout {
+    /// A stable hash of every field: the same on every node and across restarts, so blocks
+    /// in the shared remote store are named by it.
+    pub fn fingerprint(&self) -> u64 {
+        let mut buf = Vec::with_capacity(self.model.len() + self.dtype.len() + 24);
+        for field in [self.model.as_bytes(), self.dtype.as_bytes()] {
+            buf.extend_from_slice(&(field.len() as u64).to_le_bytes());
+            buf.extend_from_slice(field);
+        }
+        buf.extend_from_slice(&self.layers.to_le_bytes());
+        buf.extend_from_slice(&self.block_size.to_le_bytes());
+        buf.extend_from_slice(&self.block_bytes.to_le_bytes());
+        xxhash_rust::xxh3::xxh3_64(&buf)
+    }
+
     /// Checks the fields a connector could get wrong.
     pub fn validate(&self) -> Result<(), LayoutError> {
         let name_ok = |s: &str| !s.is_empty() && s.len() <= MAX_NAME_BYTES;
@@ -125,6 +139,20 @@ mod tests {
         }
         assert_eq!(l.register(layout("one-too-many")), Err(LayoutError::Full));
         assert_eq!(l.get(LayoutId(1)).map(|l| l.model.as_str()), Some("b"));
+    }
+
+    #[test]
+    fn fingerprints_are_stable_and_tell_fields_apart() {
+        let a = layout("m");
+        assert_eq!(a.fingerprint(), layout("m").fingerprint());
+        let mut b = layout("m");
+        b.layers += 1;
+        assert_ne!(a.fingerprint(), b.fingerprint());
+        // Length-prefixed: moving a byte from model to dtype changes the hash.
+        let (mut c, mut d) = (layout("ab"), layout("a"));
+        c.dtype = "c".into();
+        d.dtype = "bc".into();
+        assert_ne!(c.fingerprint(), d.fingerprint());
     }
 
     #[test]

@@ -1,0 +1,430 @@
+//! The remote tier's Redis client: one connection, one command at a time, every command under
+//! a deadline. A broken connection is dropped and the next command opens a new one, so a
+//! Redis restart costs the commands that were in flight, never the daemon.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+use tokio::sync::Mutex;
+
+use super::resp::{self, Parsed, Reply, RespError};
+
+/// Where and how to reach Redis, parsed from `redis://[[user]:password@]host[:port][/db]`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisConfig {
+    /// Host name or IP.
+    pub host: String,
+    /// Port (default 6379).
+    pub port: u16,
+    /// Database number (default 0).
+    pub db: u32,
+    /// ACL user, if any.
+    pub username: Option<String>,
+    /// Password, if any.
+    pub password: Option<String>,
+    /// Deadline of one command, connecting included.
+    pub timeout: Duration,
+    /// The largest value accepted in a reply.
+    pub max_value_bytes: usize,
+}
+
+impl std::fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("db", &self.db)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("timeout", &self.timeout)
+            .field("max_value_bytes", &self.max_value_bytes)
+            .finish()
+    }
+}
+
+/// Why a Redis command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    /// The URL is not a `redis://` URL this client understands.
+    #[error("invalid Redis URL: {0}")]
+    Url(String),
+    /// Connecting, writing or reading failed.
+    #[error("Redis I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// The command did not complete in time.
+    #[error("Redis command timed out after {0:?}")]
+    Timeout(Duration),
+    /// The server broke the protocol or a bound.
+    #[error("Redis protocol: {0}")]
+    Protocol(#[from] RespError),
+    /// The server refused the command.
+    #[error("Redis refused {command}: {message}")]
+    Refused {
+        /// The command.
+        command: &'static str,
+        /// The server's error line.
+        message: String,
+    },
+    /// A reply of the wrong type.
+    #[error("unexpected Redis reply to {command}: {reply:?}")]
+    Unexpected {
+        /// The command.
+        command: &'static str,
+        /// The reply.
+        reply: Reply,
+    },
+}
+
+impl RemoteError {
+    /// A bounded label for metrics.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Self::Url(_) => "url",
+            Self::Io(_) => "io",
+            Self::Timeout(_) => "timeout",
+            Self::Protocol(_) => "protocol",
+            Self::Refused { .. } => "refused",
+            Self::Unexpected { .. } => "unexpected",
+        }
+    }
+}
+
+impl RedisConfig {
+    /// Parses a `redis://` URL. `rediss://` (TLS) is refused: this build speaks plain TCP,
+    /// which is Redis's default; put Redis on the node's loopback or a private network.
+    pub fn from_url(
+        url: &str,
+        timeout: Duration,
+        max_value_bytes: usize,
+    ) -> Result<Self, RemoteError> {
+        let bad = |why: &str| RemoteError::Url(format!("{why}: {}", redact(url)));
+        if url.starts_with("rediss://") {
+            return Err(bad("TLS (rediss://) is not supported by this build"));
+        }
+        let rest = url
+            .strip_prefix("redis://")
+            .ok_or_else(|| bad("must start with redis://"))?;
+        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let (userinfo, hostport) = match authority.rsplit_once('@') {
+            Some((u, h)) => (Some(u), h),
+            None => (None, authority),
+        };
+        let (username, password) = match userinfo {
+            None => (None, None),
+            Some(u) => match u.split_once(':') {
+                Some((user, pass)) => (
+                    (!user.is_empty()).then(|| user.to_owned()),
+                    Some(pass.to_owned()),
+                ),
+                None => (None, Some(u.to_owned())),
+            },
+        };
+        let (host, port) = match hostport.rsplit_once(':') {
+            Some((h, p)) if !h.ends_with(']') || hostport.starts_with('[') => (
+                h,
+                p.parse::<u16>()
+                    .map_err(|_| bad("the port is not a number"))?,
+            ),
+            _ => (hostport, 6379),
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() {
+            return Err(bad("no host"));
+        }
+        let db = if path.is_empty() {
+            0
+        } else {
+            path.parse::<u32>()
+                .map_err(|_| bad("the path must be a database number"))?
+        };
+        Ok(Self {
+            host: host.to_owned(),
+            port,
+            db,
+            username,
+            password,
+            timeout,
+            max_value_bytes,
+        })
+    }
+}
+
+/// `url` with any password replaced, for messages and logs.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            format!("{}<credentials>@{}", &url[..s + 3], &url[at + 1..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[derive(Debug)]
+struct Conn {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+/// A Redis client for the remote tier.
+#[derive(Debug)]
+pub struct Redis {
+    config: RedisConfig,
+    conn: Mutex<Option<Conn>>,
+}
+
+impl Redis {
+    /// A client; nothing is connected until the first command.
+    pub fn new(config: RedisConfig) -> Self {
+        Self {
+            config,
+            conn: Mutex::new(None),
+        }
+    }
+
+    /// Where it connects (for logs).
+    pub fn address(&self) -> String {
+        format!(
+            "{}:{}/{}",
+            self.config.host, self.config.port, self.config.db
+        )
+    }
+
+    /// `PING`.
+    pub async fn ping(&self) -> Result<(), RemoteError> {
+        match self.command("PING", &[b"PING"]).await? {
+            Reply::Status(s) if s == "PONG" => Ok(()),
+            reply => Err(RemoteError::Unexpected {
+                command: "PING",
+                reply,
+            }),
+        }
+    }
+
+    /// `SET key value`.
+    pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), RemoteError> {
+        match self.command("SET", &[b"SET", key, value]).await? {
+            Reply::Status(s) if s == "OK" => Ok(()),
+            reply => Err(RemoteError::Unexpected {
+                command: "SET",
+                reply,
+            }),
+        }
+    }
+
+    /// `GET key`: `None` when Redis does not have it.
+    pub async fn get(&self, key: &[u8]) -> Result<Option<Bytes>, RemoteError> {
+        match self.command("GET", &[b"GET", key]).await? {
+            Reply::Bulk(v) => Ok(v),
+            reply => Err(RemoteError::Unexpected {
+                command: "GET",
+                reply,
+            }),
+        }
+    }
+
+    /// `DEL key`.
+    pub async fn delete(&self, key: &[u8]) -> Result<(), RemoteError> {
+        match self.command("DEL", &[b"DEL", key]).await? {
+            Reply::Integer(_) => Ok(()),
+            reply => Err(RemoteError::Unexpected {
+                command: "DEL",
+                reply,
+            }),
+        }
+    }
+
+    async fn command(&self, name: &'static str, args: &[&[u8]]) -> Result<Reply, RemoteError> {
+        let timeout = self.config.timeout;
+        let mut slot = self.conn.lock().await;
+        let result = tokio::time::timeout(timeout, async {
+            if slot.is_none() {
+                *slot = Some(self.connect().await?);
+            }
+            let conn = slot.as_mut().ok_or(RemoteError::Timeout(timeout))?;
+            conn.call(args, self.config.max_value_bytes).await
+        })
+        .await
+        .unwrap_or(Err(RemoteError::Timeout(timeout)));
+        match result {
+            Ok(Reply::Error(message)) => Err(RemoteError::Refused {
+                command: name,
+                message,
+            }),
+            Ok(reply) => Ok(reply),
+            Err(e) => {
+                // The connection's state is unknown after a failure: start afresh.
+                *slot = None;
+                Err(e)
+            }
+        }
+    }
+
+    async fn connect(&self) -> Result<Conn, RemoteError> {
+        let stream = TcpStream::connect((self.config.host.as_str(), self.config.port)).await?;
+        stream.set_nodelay(true)?;
+        let mut conn = Conn {
+            stream,
+            buf: Vec::new(),
+        };
+        let limit = self.config.max_value_bytes;
+        if let Some(password) = &self.config.password {
+            let reply = match &self.config.username {
+                Some(user) => {
+                    conn.call(&[b"AUTH", user.as_bytes(), password.as_bytes()], limit)
+                        .await?
+                }
+                None => conn.call(&[b"AUTH", password.as_bytes()], limit).await?,
+            };
+            expect_ok("AUTH", reply)?;
+        }
+        if self.config.db != 0 {
+            let db = self.config.db.to_string();
+            expect_ok(
+                "SELECT",
+                conn.call(&[b"SELECT", db.as_bytes()], limit).await?,
+            )?;
+        }
+        Ok(conn)
+    }
+}
+
+fn expect_ok(command: &'static str, reply: Reply) -> Result<(), RemoteError> {
+    match reply {
+        Reply::Status(s) if s == "OK" => Ok(()),
+        Reply::Error(message) => Err(RemoteError::Refused { command, message }),
+        reply => Err(RemoteError::Unexpected { command, reply }),
+    }
+}
+
+impl Conn {
+    async fn call(&mut self, args: &[&[u8]], max_bulk: usize) -> Result<Reply, RemoteError> {
+        let mut out = Vec::with_capacity(64 + args.iter().map(|a| a.len()).sum::<usize>());
+        resp::encode(args, &mut out);
+        self.stream.write_all(&out).await?;
+        loop {
+            if let Parsed::Done(reply, used) = resp::parse(&self.buf, max_bulk)? {
+                self.buf.drain(..used);
+                return Ok(reply);
+            }
+            let mut chunk = [0u8; 16 * 1024];
+            let n = self.stream.read(&mut chunk).await?;
+            if n == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+            }
+            self.buf
+                .extend_from_slice(chunk.get(..n).unwrap_or_default());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn urls_parse_with_defaults_and_credentials() {
+        let c = RedisConfig::from_url("redis://127.0.0.1", T, 10).unwrap();
+        assert_eq!((c.host.as_str(), c.port, c.db), ("127.0.0.1", 6379, 0));
+        let c = RedisConfig::from_url("redis://u:p@cache.ns.svc:6380/2", T, 10).unwrap();
+        assert_eq!(
+            (
+                c.host.as_str(),
+                c.port,
+                c.db,
+                c.username.as_deref(),
+                c.password.as_deref()
+            ),
+            ("cache.ns.svc", 6380, 2, Some("u"), Some("p"))
+        );
+        let c = RedisConfig::from_url("redis://:secret@[::1]:7000", T, 10).unwrap();
+        assert_eq!(
+            (
+                c.host.as_str(),
+                c.port,
+                c.username.as_deref(),
+                c.password.as_deref()
+            ),
+            ("::1", 7000, None, Some("secret"))
+        );
+        assert!(!format!("{c:?}").contains("secret"));
+    }
+
+    #[test]
+    fn bad_urls_are_refused_without_leaking_the_password() {
+        for url in [
+            "rediss://h",
+            "http://h",
+            "redis://",
+            "redis://h:port",
+            "redis://h/db",
+        ] {
+            assert!(RedisConfig::from_url(url, T, 10).is_err(), "{url}");
+        }
+        let e = RedisConfig::from_url("redis://u:hunter2@h:x", T, 10).unwrap_err();
+        assert!(!e.to_string().contains("hunter2"), "{e}");
+    }
+
+    /// A one-shot fake server: reads one command, answers `reply`, then closes.
+    async fn fake(reply: &'static [u8]) -> u16 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf).await;
+                let _ = s.write_all(reply).await;
+            }
+        });
+        port
+    }
+
+    fn client(port: u16) -> Redis {
+        Redis::new(RedisConfig::from_url(&format!("redis://127.0.0.1:{port}"), T, 8).unwrap())
+    }
+
+    #[tokio::test]
+    async fn server_errors_and_oversized_values_are_typed() {
+        let r = client(fake(b"-ERR nope\r\n").await);
+        assert!(matches!(
+            r.put(b"k", b"v").await,
+            Err(RemoteError::Refused { command: "SET", .. })
+        ));
+        let r = client(fake(b"$100\r\n").await);
+        assert!(matches!(r.get(b"k").await, Err(RemoteError::Protocol(_))));
+        let r = client(fake(b":1\r\n").await);
+        assert!(matches!(
+            r.ping().await,
+            Err(RemoteError::Unexpected {
+                command: "PING",
+                ..
+            })
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_silent_server_times_out_and_the_next_command_reconnects() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                held.push(s); // accept, never answer
+            }
+        });
+        let r = Redis::new(
+            RedisConfig::from_url(
+                &format!("redis://127.0.0.1:{port}"),
+                Duration::from_millis(100),
+                8,
+            )
+            .unwrap(),
+        );
+        assert!(matches!(r.ping().await, Err(RemoteError::Timeout(_))));
+        assert!(r.conn.lock().await.is_none());
+        assert!(matches!(r.ping().await, Err(RemoteError::Timeout(_))));
+    }
+}
