@@ -2,9 +2,22 @@
 //! present) and G4 remote (Redis or S3) tiers, an offload/onboard API for engine connectors
 //! over a Unix socket with shared-memory block data, and tier residency published on NATS.
 //!
-//! This build parses and validates the configuration only; the rest lands with issue #8.
+//! What this build has, each part pure or at a single edge and tested on its own:
+//!
+//! - [`store`]: the block store core — host (G2) and remote (G4) tiers, byte-budgeted LRU,
+//!   demotion of host evictions to remote, promotion on onboard, every residency change as an
+//!   ordered kvgate event (property-tested against a naive model and an event receiver);
+//! - [`remote`]: the Redis client of the remote tier (bounded RESP2 codec, per-command
+//!   deadline, reconnect after failure), tested against a real `redis-server`;
+//! - [`outbox`]: the store's events sealed into per-layout envelopes from a node source, and
+//!   snapshots consistent with them.
+//!
+//! Not yet: the connector socket and its shared-memory data path, the NATS and metrics edges,
+//! the disk tier (G3) and the daemon's main loop. Until they land (issue #8) the binary
+//! validates its configuration and exits with a message saying so.
 
 mod args;
+pub mod outbox;
 pub mod remote;
 pub mod store;
 
