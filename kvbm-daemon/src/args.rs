@@ -2,48 +2,145 @@
 
 use std::path::PathBuf;
 
-/// kvgate KV block manager (node daemon).
+/// kvgate KV block manager (node daemon): keeps KV blocks that engines offload in host memory
+/// and a remote store (Redis), gives them back on request, and publishes what it holds so the
+/// endpoint picker can route to the pods of this node.
+///
+/// Engine connectors connect to `--socket`, pass a shared-memory segment and exchange control
+/// messages; block bytes move through the segment only.
 #[derive(Debug, Clone, clap::Parser)]
-#[command(name = "kvgate-kvbm", version, about, long_about = None)]
+#[command(name = "kvgate-kvbm", version, about, long_about)]
 pub struct Args {
-    /// Control socket for engine connectors.
+    /// Control socket for engine connectors (created mode 0660; a stale socket is replaced,
+    /// a live one is an error).
     #[arg(long, default_value = "/run/kvgate/kvbm.sock")]
     pub socket: PathBuf,
-    /// gRPC port.
-    #[arg(long, default_value_t = 9400)]
-    pub grpc_port: u16,
-    /// Metrics port.
+    /// Metrics and health port (`/metrics`, `/healthz`, `/readyz`).
     #[arg(long, default_value_t = 9092)]
     pub metrics_port: u16,
+    /// Address the metrics port binds.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub metrics_bind: std::net::IpAddr,
     /// Host-memory tier (G2) capacity in bytes; 0 disables it.
     #[arg(long, default_value_t = 8 << 30)]
     pub host_bytes: u64,
-    /// Directory for the disk tier (G3); disabled when absent.
+    /// Directory for the disk tier (G3). Not in this build: giving it is an error.
     #[arg(long)]
     pub disk_dir: Option<PathBuf>,
-    /// Remote tier (G4) URL, `redis://…` or `s3://…`; disabled when absent.
-    #[arg(long)]
+    /// Remote tier (G4): `redis://[[user]:password@]host[:port][/db]`; disabled when absent.
+    /// (`rediss://` and `s3://` are not in this build.)
+    #[arg(long, env = "KVGATE_KVBM_REMOTE_URL", hide_env_values = true)]
     pub remote_url: Option<String>,
+    /// Bytes this node may keep in the remote store (its least recently used blocks are
+    /// deleted beyond it).
+    #[arg(long, default_value_t = 32 << 30)]
+    pub remote_bytes: u64,
+    /// Deadline of one remote command, milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    pub remote_timeout_ms: u64,
+    /// Remote writes queued at most; beyond it writes are dropped and counted.
+    #[arg(long, default_value_t = 4096)]
+    pub remote_queue: usize,
+    /// NATS server.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+    /// Kubernetes namespace (subjects are `kvgate.kvbm.<namespace>.<node>`).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    pub namespace: String,
     /// Node name (from the downward API in Kubernetes).
     #[arg(long, env = "NODE_NAME")]
     pub node: String,
+    /// Connectors served at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_connections: u64,
+    /// The largest shared-memory segment a connector may declare, bytes.
+    #[arg(long, default_value_t = 16 << 30)]
+    pub max_segment_bytes: u64,
+    /// Close a connector connection idle this long, seconds.
+    #[arg(long, default_value_t = 300)]
+    pub idle_timeout_s: u64,
+    /// The most block keys in one published envelope.
+    #[arg(long, default_value_t = 4096)]
+    pub max_keys_per_envelope: usize,
+    /// Publish pending events at least this often, milliseconds.
+    #[arg(long, default_value_t = 20)]
+    pub publish_interval_ms: u64,
 }
 
 impl Args {
     /// Checks what clap cannot.
     pub fn validate(&self) -> Result<(), String> {
+        if self.disk_dir.is_some() {
+            return Err(
+                "--disk-dir: the disk tier (G3) is not in this build (issue #8); run without it"
+                    .into(),
+            );
+        }
         if let Some(url) = &self.remote_url
-            && !["redis://", "rediss://", "s3://"]
-                .iter()
-                .any(|p| url.starts_with(p))
+            && !url.starts_with("redis://")
         {
             return Err(format!(
-                "--remote-url must be redis://, rediss:// or s3://, got {url:?}"
+                "--remote-url must be redis://… (rediss:// and s3:// are not in this build), got {}",
+                crate::remote::redis::redact(url)
             ));
         }
-        if self.grpc_port == self.metrics_port {
-            return Err("--grpc-port and --metrics-port must differ".into());
+        if self.host_bytes == 0 && (self.remote_url.is_none() || self.remote_bytes == 0) {
+            return Err(
+                "no tier: give --host-bytes > 0, or --remote-url with --remote-bytes > 0".into(),
+            );
+        }
+        if self.node.is_empty() {
+            return Err("--node (NODE_NAME) must not be empty".into());
+        }
+        if self.remote_timeout_ms == 0 || self.idle_timeout_s == 0 || self.publish_interval_ms == 0
+        {
+            return Err(
+                "--remote-timeout-ms, --idle-timeout-s and --publish-interval-ms must be positive"
+                    .into(),
+            );
+        }
+        if self.max_connections == 0 || self.max_keys_per_envelope == 0 {
+            return Err("--max-connections and --max-keys-per-envelope must be positive".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    fn parse(extra: &[&str]) -> Args {
+        let mut argv = vec!["kvgate-kvbm", "--node", "n1"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).unwrap()
+    }
+
+    #[test]
+    fn defaults_validate() {
+        assert_eq!(parse(&[]).validate(), Ok(()));
+        assert_eq!(
+            parse(&["--remote-url", "redis://r:6379"]).validate(),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn bad_configurations_are_explained() {
+        for (flags, needle) in [
+            (vec!["--disk-dir", "/d"], "disk tier"),
+            (vec!["--remote-url", "s3://b"], "redis://"),
+            (vec!["--host-bytes", "0"], "no tier"),
+            (vec!["--publish-interval-ms", "0"], "positive"),
+        ] {
+            let e = parse(&flags).validate().unwrap_err();
+            assert!(e.contains(needle), "{flags:?}: {e}");
+        }
+        let e = parse(&["--remote-url", "rediss://u:pw@h"])
+            .validate()
+            .unwrap_err();
+        assert!(!e.contains("pw"), "{e}");
     }
 }

@@ -16,20 +16,30 @@
 //! the disk tier (G3) and the daemon's main loop. Until they land (issue #8) the binary
 //! validates its configuration and exits with a message saying so.
 
+mod app;
 mod args;
+pub mod client;
+pub mod fdpass;
+pub mod metrics;
+pub mod nats;
 pub mod outbox;
+pub mod protocol;
 pub mod remote;
+pub mod segment;
+pub mod server;
+pub mod service;
 pub mod store;
 
+pub use app::AppError;
 pub use args::Args;
 
-/// Validates the configuration, then runs the component.
-pub fn run(args: Args) -> Result<(), cli_support::StartError> {
-    args.validate().map_err(cli_support::StartError::Config)?;
-    Err(cli_support::NotInThisBuild {
-        component: "kvgate-kvbm",
-        capability: "the KV block manager daemon",
-        issue: 8,
-    }
-    .into())
+/// Validates the configuration, then runs the daemon until SIGTERM or SIGINT.
+pub fn run(args: Args) -> Result<(), AppError> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    app::run(args)
 }

@@ -27,7 +27,6 @@ pub struct Identity {
 struct Stream {
     next_seq: u64,
     pending: Vec<KvEvent>,
-    pending_keys: usize,
 }
 
 /// The envelope source of one layout on one node.
@@ -86,10 +85,18 @@ impl Outbox {
         store.layout(layout).map(|l| node_source(&self.identity, l))
     }
 
+    /// Starts over under `epoch`: every stream's `seq` restarts at 0 and pending events are
+    /// dropped (receivers see the new epoch and fetch snapshots, which hold the current state).
+    pub fn new_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+        for stream in self.streams.values_mut() {
+            *stream = Stream::default();
+        }
+    }
+
     /// Queues an event of `layout`.
     pub fn push(&mut self, layout: LayoutId, event: KvEvent) {
         let stream = self.streams.entry(layout).or_default();
-        stream.pending_keys += event.key_count();
         stream.pending.push(event);
     }
 
@@ -136,7 +143,6 @@ impl Outbox {
             if !batch.is_empty() {
                 emit(&mut batch, &mut stream.next_seq);
             }
-            stream.pending_keys = 0;
         }
     }
 

@@ -37,6 +37,11 @@ pub struct SnapshotRequest {
     /// `1..=`[`MAX_KEYS_PER_CHUNK`].
     #[serde(default)]
     pub max_keys_per_chunk: Option<u32>,
+    /// The source's model, for node sources: a node's KV block manager publishes one source
+    /// per model on the node's one snapshot subject. Absent for pod sources (and from
+    /// receivers older than the field, which a node serving one model still answers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 impl SnapshotRequest {
@@ -46,7 +51,18 @@ impl SnapshotRequest {
             v: ENVELOPE_VERSION,
             dp_rank,
             max_keys_per_chunk: None,
+            model: None,
         }
+    }
+
+    /// The request for `source`'s snapshot: its DP rank, and its model when it is a node
+    /// source.
+    pub fn for_source(source: &Source) -> Self {
+        let mut r = Self::new(source.dp_rank);
+        if source.pod.is_none() && source.node.is_some() {
+            r.model = Some(source.model.clone());
+        }
+        r
     }
 
     /// Encodes the request.
@@ -358,6 +374,29 @@ mod tests {
                 },
             ],
         }
+    }
+
+    #[test]
+    fn node_sources_name_their_model_and_old_requests_still_decode() {
+        let pod = SnapshotRequest::for_source(&source());
+        assert_eq!(pod.model, None);
+        let mut node = source();
+        (node.pool, node.pod, node.ip, node.port) = (None, None, None, None);
+        node.node = Some("n1".into());
+        let req = SnapshotRequest::for_source(&node);
+        assert_eq!(req.model.as_deref(), Some("m"));
+        assert_eq!(
+            SnapshotRequest::decode(&req.encode().unwrap()).unwrap(),
+            req
+        );
+        // A request without the field (an older receiver) decodes with no model.
+        #[derive(Serialize)]
+        struct Old {
+            v: u16,
+            dp_rank: u32,
+        }
+        let old = rmp_serde::to_vec_named(&Old { v: 1, dp_rank: 0 }).unwrap();
+        assert_eq!(SnapshotRequest::decode(&old).unwrap().model, None);
     }
 
     fn reassemble(chunks: Vec<SnapshotChunk>) -> Result<Option<Snapshot>, SnapshotError> {

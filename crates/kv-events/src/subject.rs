@@ -57,6 +57,12 @@ pub fn snapshot(namespace: &str, pool: &str, pod: &str) -> String {
     )
 }
 
+/// `kvgate.snapshot.<namespace>.<node>`: request/reply for a node's KV block manager tiers
+/// (one token fewer than a pod's, so the two cannot collide).
+pub fn node_snapshot(namespace: &str, node: &str) -> String {
+    format!("kvgate.snapshot.{}.{}", token(namespace), token(node))
+}
+
 /// `kvgate.load.<namespace>.<pool>.<pod>`: a pod's engine load samples.
 pub fn load(namespace: &str, pool: &str, pod: &str) -> String {
     format!(

@@ -48,11 +48,7 @@ pub enum FetchResult {
 pub fn snapshot_subject(source: &Source) -> Option<String> {
     match (&source.pool, &source.pod, &source.node) {
         (Some(pool), Some(pod), _) => Some(subject::snapshot(&source.namespace, pool, pod)),
-        (_, None, Some(node)) => Some(format!(
-            "kvgate.snapshot.{}.{}",
-            subject::token(&source.namespace),
-            subject::token(node)
-        )),
+        (_, None, Some(node)) => Some(subject::node_snapshot(&source.namespace, node)),
         _ => None,
     }
 }
@@ -294,7 +290,7 @@ impl KvIngest {
                         holder,
                         id,
                         subject,
-                        request: SnapshotRequest::new(entry.source.dp_rank),
+                        request: SnapshotRequest::for_source(&entry.source),
                     });
                 }
                 Effect::Gap => add(&s.gaps, 1),

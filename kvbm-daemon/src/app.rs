@@ -1,0 +1,242 @@
+//! Wiring: the store and its service, the connector socket, the remote writer, the NATS
+//! publisher and snapshot responder, and the metrics/health server, until SIGTERM or SIGINT.
+//! On the way out the daemon publishes `Cleared` for every layout: its host tier goes with it.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use kv_events::subject;
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+
+use crate::args::Args;
+use crate::metrics::Metrics;
+use crate::outbox::{Identity, Outbox};
+use crate::remote::redis::{Redis, RedisConfig, RemoteError, redact};
+use crate::server::{self, ServerConfig};
+use crate::service::{self, Service};
+use crate::store::{BlockStore, StoreConfig};
+
+/// Why the daemon stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    /// Bad configuration.
+    #[error(transparent)]
+    Start(#[from] cli_support::StartError),
+    /// The async runtime could not start.
+    #[error("starting the runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// The connector socket could not be set up.
+    #[error("connector socket {path}: {message}")]
+    Socket {
+        /// The path.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The metrics port could not be bound.
+    #[error("metrics server on {addr}: {source}")]
+    Serve {
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The remote URL was refused.
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
+    /// NATS could not be set up.
+    #[error("NATS: {0}")]
+    Nats(String),
+}
+
+impl cli_support::ExitStatus for AppError {
+    fn exit_code(&self) -> u8 {
+        match self {
+            AppError::Start(_) | AppError::Remote(RemoteError::Url(_)) => cli_support::EXIT_CONFIG,
+            _ => 1,
+        }
+    }
+}
+
+/// Runs the daemon on its own runtime until SIGTERM or SIGINT.
+pub(crate) fn run(args: Args) -> Result<(), AppError> {
+    args.validate().map_err(cli_support::StartError::Config)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kvbm")
+        .enable_all()
+        .build()
+        .map_err(AppError::Runtime)?;
+    runtime.block_on(serve(args))
+}
+
+/// Binds the connector socket: creates its directory, replaces a stale socket file, refuses
+/// to take over one a live daemon answers on, and sets mode 0660.
+fn bind_socket(path: &Path) -> Result<UnixListener, AppError> {
+    let fail = |message: String| AppError::Socket {
+        path: path.display().to_string(),
+        message,
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| fail(format!("creating its directory: {e}")))?;
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(fail("another process is serving on it".into()));
+        }
+        std::fs::remove_file(path).map_err(|e| fail(format!("removing the stale socket: {e}")))?;
+    }
+    let listener = UnixListener::bind(path).map_err(|e| fail(e.to_string()))?;
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .map_err(|e| fail(format!("setting its mode: {e}")))?;
+    Ok(listener)
+}
+
+async fn serve(args: Args) -> Result<(), AppError> {
+    let remote_bytes = if args.remote_url.is_some() {
+        args.remote_bytes
+    } else {
+        0
+    };
+    let store = BlockStore::new(StoreConfig {
+        host_bytes: args.host_bytes,
+        remote_bytes,
+    });
+    let epoch = kv_bridge::epoch::random_epoch();
+    let outbox = Outbox::new(
+        Identity {
+            namespace: args.namespace.clone(),
+            node: args.node.clone(),
+        },
+        epoch,
+        args.max_keys_per_envelope,
+    );
+    let redis = match &args.remote_url {
+        None => None,
+        Some(url) => {
+            let config = RedisConfig::from_url(
+                url,
+                Duration::from_millis(args.remote_timeout_ms),
+                usize::try_from(args.max_segment_bytes.min(1 << 30)).unwrap_or(1 << 30),
+            )?;
+            let redis = Arc::new(Redis::new(config));
+            match redis.ping().await {
+                Ok(()) => tracing::info!(remote = %redact(url), "remote store reachable"),
+                Err(e) => tracing::warn!(
+                    remote = %redact(url), error = %e,
+                    "remote store unreachable now; each command retries the connection"
+                ),
+            }
+            Some(redis)
+        }
+    };
+    let metrics = Arc::new(Metrics::default());
+    let (service, remote_rx) = Service::new(
+        store,
+        outbox,
+        redis.clone(),
+        args.remote_queue,
+        Arc::clone(&metrics),
+    );
+    if let (Some(redis), Some(rx)) = (redis, remote_rx) {
+        tokio::spawn(service::remote_writer(redis, rx, Arc::clone(&metrics)));
+    }
+
+    let listener = bind_socket(&args.socket)?;
+    let addr = SocketAddr::new(args.metrics_bind, args.metrics_port);
+    let http = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| AppError::Serve { addr, source })?;
+    let client = crate::nats::connect(&args.nats_url, Arc::clone(&service))
+        .await
+        .map_err(|e| AppError::Nats(e.to_string()))?;
+    let events_subject = subject::kvbm(&args.namespace, &args.node);
+    let snapshot_subject = subject::node_snapshot(&args.namespace, &args.node);
+    tracing::info!(
+        socket = %args.socket.display(), %addr, events = %events_subject,
+        snapshots = %snapshot_subject, epoch, host_bytes = args.host_bytes, remote_bytes,
+        "kvgate-kvbm serving"
+    );
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let publisher = tokio::spawn(crate::nats::publish_loop(
+        client.clone(),
+        events_subject.clone(),
+        Arc::clone(&service),
+        Duration::from_millis(args.publish_interval_ms),
+        stopped(stop_rx.clone()),
+    ));
+    {
+        let (client, service) = (client.clone(), Arc::clone(&service));
+        tokio::spawn(async move {
+            if let Err(e) =
+                crate::nats::serve_snapshots(client, snapshot_subject, events_subject, service)
+                    .await
+            {
+                tracing::error!(error = %e, "snapshot responder stopped");
+            }
+        });
+    }
+    let router = Router::new()
+        .route("/metrics", get(metrics_text))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
+        .with_state(Arc::clone(&service));
+    {
+        let stop = stopped(stop_rx.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(http, router).with_graceful_shutdown(stop).await {
+                tracing::error!(error = %e, "metrics server stopped");
+            }
+        });
+    }
+    let socket_server = tokio::spawn(server::serve(
+        listener,
+        Arc::clone(&service),
+        ServerConfig {
+            max_connections: args.max_connections,
+            max_segment_bytes: args.max_segment_bytes,
+            idle_timeout: Duration::from_secs(args.idle_timeout_s),
+        },
+        stopped(stop_rx),
+    ));
+
+    cli_support::shutdown_signal().await;
+    service.clear_on_shutdown();
+    let _ = stop_tx.send(true);
+    let _ = socket_server.await;
+    if tokio::time::timeout(Duration::from_secs(2), publisher)
+        .await
+        .is_err()
+    {
+        tracing::warn!("the final Cleared events were not confirmed published within 2 s");
+    }
+    let _ = std::fs::remove_file(&args.socket);
+    tracing::info!("kvgate-kvbm stopped");
+    Ok(())
+}
+
+async fn metrics_text(State(service): State<Arc<Service>>) -> String {
+    service.with_store(|store| service.metrics().render(store))
+}
+
+async fn ready(State(service): State<Arc<Service>>) -> (StatusCode, &'static str) {
+    if service.metrics().nats_connected.load(Ordering::Relaxed) {
+        (StatusCode::OK, "ready")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "NATS not connected")
+    }
+}

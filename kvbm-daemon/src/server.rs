@@ -1,0 +1,298 @@
+//! The connector socket: accepts connections (bounded), runs the handshake and serves each
+//! connection's requests in order (see [`crate::protocol`]).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kv_events::{BlockKey, Tier};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{UnixListener, UnixStream};
+
+use crate::fdpass;
+use crate::protocol::{self, ErrorCode, Request, Response, Slot};
+use crate::segment::Segment;
+use crate::service::Service;
+use crate::store::{Layout, LayoutId, StoreError};
+
+/// The socket's limits.
+#[derive(Debug, Clone, Copy)]
+pub struct ServerConfig {
+    /// Connections served at once; more are closed at once.
+    pub max_connections: u64,
+    /// The largest segment a connector may declare.
+    pub max_segment_bytes: u64,
+    /// A connection idle this long (or a handshake slower than this) is closed.
+    pub idle_timeout: Duration,
+}
+
+/// Serves `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: UnixListener,
+    service: Arc<Service>,
+    config: ServerConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            () = &mut shutdown => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let metrics = Arc::clone(service.metrics());
+        if metrics.connections.load(Ordering::Relaxed) >= config.max_connections {
+            metrics.connections_refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                limit = config.max_connections,
+                "connector refused: too many connections"
+            );
+            continue;
+        }
+        metrics.connections.fetch_add(1, Ordering::Relaxed);
+        metrics.connections_total.fetch_add(1, Ordering::Relaxed);
+        let service = Arc::clone(&service);
+        tokio::spawn(async move {
+            match connection(stream, &service, config).await {
+                Ok(()) => tracing::debug!("connector disconnected"),
+                Err(e) => tracing::info!(error = %e, "connector connection closed"),
+            }
+            metrics.connections.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+}
+
+/// Why a connection ended early.
+#[derive(Debug, thiserror::Error)]
+enum ConnError {
+    #[error("handshake: {0}")]
+    Handshake(std::io::Error),
+    #[error("idle for {0:?}")]
+    Idle(Duration),
+    #[error("socket: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("protocol: {0}")]
+    Protocol(String),
+}
+
+/// The registered part of a connection.
+struct Session {
+    layout: LayoutId,
+    block_bytes: u64,
+    segment: Segment,
+}
+
+async fn connection(
+    mut stream: UnixStream,
+    service: &Service,
+    config: ServerConfig,
+) -> Result<(), ConnError> {
+    let fd = tokio::time::timeout(config.idle_timeout, fdpass::recv_fd(&stream))
+        .await
+        .map_err(|_| ConnError::Idle(config.idle_timeout))?
+        .map_err(|e| {
+            service
+                .metrics()
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
+            ConnError::Handshake(e)
+        })?;
+    let mut fd = Some(fd);
+    let mut session: Option<Session> = None;
+    let mut out = Vec::new();
+    loop {
+        let mut header = [0u8; 4];
+        match tokio::time::timeout(config.idle_timeout, stream.read_exact(&mut header)).await {
+            Err(_) => return Err(ConnError::Idle(config.idle_timeout)),
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Ok(r) => {
+                r?;
+            }
+        }
+        let started = Instant::now();
+        let request = match protocol::body_len(header) {
+            Ok(len) => {
+                let mut body = vec![0u8; len];
+                stream.read_exact(&mut body).await?;
+                protocol::decode_request(&body)
+            }
+            Err(e) => Err(e),
+        };
+        let (response, close) = match request {
+            Err(e) => (error(ErrorCode::Malformed, e.to_string()), true),
+            Ok(request) => {
+                let op = request.op();
+                let r = handle(request, &mut session, &mut fd, service, config).await;
+                service.metrics().request(op, started.elapsed());
+                r
+            }
+        };
+        if let Response::Error { code, message } = &response {
+            service.metrics().error(*code);
+            tracing::debug!(?code, %message, "connector request refused");
+        }
+        out.clear();
+        protocol::encode(&response, &mut out);
+        stream.write_all(&out).await?;
+        if close {
+            let why = match response {
+                Response::Error { message, .. } => message,
+                _ => String::new(),
+            };
+            return Err(ConnError::Protocol(why));
+        }
+    }
+}
+
+fn error(code: ErrorCode, message: impl Into<String>) -> Response {
+    Response::Error {
+        code,
+        message: message.into(),
+    }
+}
+
+fn store_error(e: &StoreError) -> Response {
+    let code = match e {
+        StoreError::BlockSize { .. } => ErrorCode::Slot,
+        StoreError::UnknownLayout(_) | StoreError::Layout(_) => ErrorCode::Layout,
+    };
+    error(code, e.to_string())
+}
+
+/// Handles one request; the flag says whether to close the connection after answering.
+async fn handle(
+    request: Request,
+    session: &mut Option<Session>,
+    fd: &mut Option<std::os::fd::OwnedFd>,
+    service: &Service,
+    config: ServerConfig,
+) -> (Response, bool) {
+    let Some(s) = session.as_ref() else {
+        return match request {
+            Request::Register {
+                layout,
+                segment_bytes,
+            } => {
+                // A refused registration used the segment up: the connector starts over.
+                let r = register(layout, segment_bytes, session, fd, service, config);
+                let close = matches!(r, Response::Error { .. });
+                (r, close)
+            }
+            _ => (
+                error(ErrorCode::Sequence, "the first request must be register"),
+                true,
+            ),
+        };
+    };
+    let response = match request {
+        Request::Register { .. } => {
+            return (error(ErrorCode::Sequence, "register sent twice"), true);
+        }
+        Request::Offload { parent, blocks } => offload(s, parent, &blocks, service),
+        Request::Lookup { keys } => {
+            let keys: Vec<BlockKey> = keys.into_iter().map(BlockKey).collect();
+            match service.lookup(s.layout, &keys) {
+                Ok(l) => Response::Found {
+                    host: l.host,
+                    any: l.any,
+                },
+                Err(e) => store_error(&e),
+            }
+        }
+        Request::Onboard { blocks } => onboard(s, &blocks, service).await,
+    };
+    (response, false)
+}
+
+fn register(
+    layout: Layout,
+    segment_bytes: u64,
+    session: &mut Option<Session>,
+    fd: &mut Option<std::os::fd::OwnedFd>,
+    service: &Service,
+    config: ServerConfig,
+) -> Response {
+    let Some(descriptor) = fd.take() else {
+        return error(ErrorCode::Sequence, "the segment was already used");
+    };
+    let segment = match Segment::new(descriptor, segment_bytes, config.max_segment_bytes) {
+        Ok(s) => s,
+        Err(e) => return error(ErrorCode::Segment, e.to_string()),
+    };
+    if segment_bytes < layout.block_bytes {
+        return error(
+            ErrorCode::Segment,
+            format!(
+                "the segment's {segment_bytes} bytes hold no block of {} bytes",
+                layout.block_bytes
+            ),
+        );
+    }
+    let block_bytes = layout.block_bytes;
+    let model = layout.model.clone();
+    match service.register(layout) {
+        Ok(id) => {
+            tracing::info!(%model, block_bytes, segment_bytes, layout = id.0, "connector registered");
+            *session = Some(Session {
+                layout: id,
+                block_bytes,
+                segment,
+            });
+            Response::Registered { layout_id: id.0 }
+        }
+        Err(e) => store_error(&e),
+    }
+}
+
+fn offload(s: &Session, parent: Option<u64>, slots: &[Slot], service: &Service) -> Response {
+    let mut blocks: Vec<(BlockKey, Bytes)> = Vec::with_capacity(slots.len());
+    for slot in slots {
+        match s.segment.read(slot.offset, s.block_bytes) {
+            Ok(data) => blocks.push((BlockKey(slot.key), data)),
+            Err(e) => return error(ErrorCode::Slot, e.to_string()),
+        }
+    }
+    match service.offload(s.layout, parent.map(BlockKey), &blocks) {
+        Ok(done) => Response::Offloaded {
+            stored: done.stored,
+            present: done.present,
+        },
+        Err(e) => store_error(&e),
+    }
+}
+
+async fn onboard(s: &Session, slots: &[Slot], service: &Service) -> Response {
+    // Check every slot first: nothing is written unless all of them are good.
+    for slot in slots {
+        if let Err(e) = s.segment.check(slot.offset, s.block_bytes) {
+            return error(ErrorCode::Slot, e.to_string());
+        }
+    }
+    let keys: Vec<BlockKey> = slots.iter().map(|s| BlockKey(s.key)).collect();
+    let found = match service.onboard(s.layout, &keys).await {
+        Ok(f) => f,
+        Err(e) => return store_error(&e),
+    };
+    let (mut from_host, mut from_remote) = (0u32, 0u32);
+    for ((data, tier), slot) in found.iter().zip(slots) {
+        if let Err(e) = s.segment.write(slot.offset, data) {
+            return error(ErrorCode::Segment, e.to_string());
+        }
+        match tier {
+            Tier::Host => from_host += 1,
+            _ => from_remote += 1,
+        }
+    }
+    Response::Onboarded {
+        blocks: from_host + from_remote,
+        from_host,
+        from_remote,
+    }
+}

@@ -1,0 +1,445 @@
+//! The `kvgate-kvbm` binary against real parts: a connector (the crate's reference client)
+//! passing a memfd segment over the socket, a real `nats-server` receiving the envelopes and
+//! answering snapshot requests, and a real `redis-server` as the remote tier.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::collections::HashSet;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kv_events::snapshot::{SnapshotChunk, SnapshotRequest};
+use kv_events::{Envelope, KvEvent, Tier};
+use kvgate_kvbm::client::{Client, ClientError};
+use kvgate_kvbm::protocol::{ErrorCode, Slot};
+use kvgate_kvbm::store::Layout;
+use tokio_stream::StreamExt as _;
+
+const BLOCK: u64 = 4096;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_port(port: u16, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "{what} did not listen on {port}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn spawn(bin: &str, args: &[String]) -> Proc {
+    Proc(
+        Command::new(bin)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {bin}: {e}")),
+    )
+}
+
+struct Stack {
+    _nats: Proc,
+    _redis: Proc,
+    kvbm: Option<Proc>,
+    nats_url: String,
+    socket: PathBuf,
+    metrics_port: u16,
+    _dir: TempDir,
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// nats-server, redis-server and kvgate-kvbm with a host tier of `host_blocks` blocks.
+fn stack(host_blocks: u64) -> Stack {
+    let dir = std::env::temp_dir().join(format!(
+        "kvgate-kvbm-test-{}-{}",
+        std::process::id(),
+        free_port()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let nats_port = free_port();
+    let nats_bin =
+        std::env::var("KVGATE_NATS_SERVER").unwrap_or_else(|_| "/usr/sbin/nats-server".into());
+    let nats = spawn(
+        &nats_bin,
+        &[
+            "-a".into(),
+            "127.0.0.1".into(),
+            "-p".into(),
+            nats_port.to_string(),
+        ],
+    );
+    wait_port(nats_port, "nats-server");
+    let redis_port = free_port();
+    let redis_bin =
+        std::env::var("KVGATE_REDIS_SERVER").unwrap_or_else(|_| "/usr/bin/redis-server".into());
+    let redis = spawn(
+        &redis_bin,
+        &[
+            "--port".into(),
+            redis_port.to_string(),
+            "--bind".into(),
+            "127.0.0.1".into(),
+            "--save".into(),
+            String::new(),
+            "--appendonly".into(),
+            "no".into(),
+        ],
+    );
+    wait_port(redis_port, "redis-server");
+    let metrics_port = free_port();
+    let socket = dir.join("kvbm.sock");
+    let nats_url = format!("nats://127.0.0.1:{nats_port}");
+    let kvbm = spawn(
+        env!("CARGO_BIN_EXE_kvgate-kvbm"),
+        &[
+            "--node".into(),
+            "node-a".into(),
+            "--namespace".into(),
+            "ns".into(),
+            "--socket".into(),
+            socket.display().to_string(),
+            "--metrics-bind".into(),
+            "127.0.0.1".into(),
+            "--metrics-port".into(),
+            metrics_port.to_string(),
+            "--nats-url".into(),
+            nats_url.clone(),
+            "--host-bytes".into(),
+            (host_blocks * BLOCK).to_string(),
+            "--remote-url".into(),
+            format!("redis://127.0.0.1:{redis_port}"),
+            "--remote-bytes".into(),
+            (64 * BLOCK).to_string(),
+        ],
+    );
+    wait_port(metrics_port, "kvgate-kvbm");
+    Stack {
+        _nats: nats,
+        _redis: redis,
+        kvbm: Some(kvbm),
+        nats_url,
+        socket,
+        metrics_port,
+        _dir: TempDir(dir),
+    }
+}
+
+fn layout() -> Layout {
+    Layout {
+        model: "qwen3".into(),
+        dtype: "bf16".into(),
+        layers: 2,
+        block_size: 16,
+        block_bytes: BLOCK,
+    }
+}
+
+fn block(key: u64) -> Vec<u8> {
+    (0..BLOCK)
+        .map(|i| (key as u8).wrapping_add(i as u8))
+        .collect()
+}
+
+/// Writes blocks `keys` into slots 0.. of the segment and returns their slots.
+fn stage(client: &Client, keys: &[u64]) -> Vec<Slot> {
+    keys.iter()
+        .enumerate()
+        .map(|(i, k)| {
+            let offset = i as u64 * BLOCK;
+            client.segment().write(offset, &block(*k)).unwrap();
+            Slot { key: *k, offset }
+        })
+        .collect()
+}
+
+async fn metrics(port: u16) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: kvbm\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(
+        text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200"),
+        "{text}"
+    );
+    text.split_once("\r\n\r\n").unwrap().1.to_owned()
+}
+
+fn metric(text: &str, line_prefix: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_prefix)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {line_prefix} in metrics"))
+}
+
+/// Applies envelopes to a resident set, checking they are contiguous.
+fn apply(resident: &mut HashSet<(u64, Tier)>, seq: &mut Option<u64>, e: &Envelope) {
+    if let Some(s) = seq {
+        assert_eq!(e.seq, *s + 1, "contiguous seq");
+    }
+    *seq = Some(e.seq);
+    for ev in &e.events {
+        match ev {
+            KvEvent::Stored { keys, tier, .. } => {
+                resident.extend(keys.iter().map(|k| (k.0, *tier)));
+            }
+            KvEvent::Removed { keys, tier } => {
+                for k in keys {
+                    resident.remove(&(k.0, *tier));
+                }
+            }
+            KvEvent::Cleared { tier: None } => resident.clear(),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offload_demote_onboard_publish_and_snapshot() {
+    let mut s = stack(4);
+    let nats = async_nats::connect(&s.nats_url).await.unwrap();
+    let mut events = nats.subscribe("kvgate.kvbm.ns.node-a").await.unwrap();
+    nats.flush().await.unwrap();
+
+    let mut c = Client::connect(&s.socket, layout(), 8 * BLOCK)
+        .await
+        .unwrap();
+    // A chain of 6 blocks into a 4-block host tier: the first two are demoted to Redis.
+    let keys = [11, 12, 13, 14, 15, 16];
+    let slots = stage(&c, &keys);
+    assert_eq!(c.offload(None, slots.clone()).await.unwrap(), (6, 0));
+    assert_eq!(c.offload(None, slots[4..].to_vec()).await.unwrap(), (0, 2));
+    assert_eq!(c.lookup(keys.to_vec()).await.unwrap(), (0, 6));
+
+    // The envelopes say the same.
+    let mut resident = HashSet::new();
+    let mut seq = None;
+    let mut first: Option<Envelope> = None;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while resident.len() < 6 {
+        let msg = tokio::time::timeout_at(deadline.into(), events.next())
+            .await
+            .expect("envelopes within 5 s")
+            .unwrap();
+        let e = Envelope::decode(&msg.payload, &Default::default()).unwrap();
+        apply(&mut resident, &mut seq, &e);
+        first.get_or_insert(e);
+    }
+    let first = first.unwrap();
+    assert_eq!(first.source.node.as_deref(), Some("node-a"));
+    assert_eq!(
+        (first.source.pod.as_deref(), first.source.model.as_str()),
+        (None, "qwen3")
+    );
+    let want: HashSet<(u64, Tier)> = [(11, Tier::Remote), (12, Tier::Remote)]
+        .into_iter()
+        .chain(keys[2..].iter().map(|k| (*k, Tier::Host)))
+        .collect();
+    assert_eq!(resident, want);
+
+    // Onboard into fresh slots: 11 and 12 come back from Redis, the rest from host memory.
+    for i in 0..8 {
+        c.segment()
+            .write(i * BLOCK, &vec![0; BLOCK as usize])
+            .unwrap();
+    }
+    let into: Vec<Slot> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| Slot {
+            key: *k,
+            offset: (i as u64 + 2) % 8 * BLOCK,
+        })
+        .collect();
+    let (n, from_host, from_remote) = c.onboard(into.clone()).await.unwrap();
+    assert_eq!(n, 6);
+    assert_eq!(from_remote, 2);
+    assert_eq!(from_host, 4);
+    for slot in &into {
+        assert_eq!(
+            &c.segment().read(slot.offset, BLOCK).unwrap()[..],
+            &block(slot.key)[..],
+            "block {} onboarded intact",
+            slot.key
+        );
+    }
+    // A chain that starts with an unknown block onboards nothing.
+    let unknown = vec![Slot { key: 99, offset: 0 }];
+    assert_eq!(c.onboard(unknown).await.unwrap(), (0, 0, 0));
+
+    // A snapshot naming the model matches the stream.
+    let req = SnapshotRequest {
+        model: Some("qwen3".into()),
+        ..SnapshotRequest::new(0)
+    };
+    let reply = nats
+        .request(
+            "kvgate.snapshot.ns.node-a",
+            Bytes::from(req.encode().unwrap()),
+        )
+        .await
+        .unwrap();
+    let chunk = SnapshotChunk::decode(&reply.payload, 1 << 20).unwrap();
+    assert!(chunk.last);
+    assert_eq!(chunk.epoch, first.epoch);
+    let snap: HashSet<(u64, Tier)> = chunk
+        .tiers
+        .iter()
+        .flat_map(|t| t.keys.iter().map(move |k| (k.0, t.tier)))
+        .collect();
+    // Promoting 11 and 12 evicted 13 and 14 from host memory, which were demoted in turn.
+    let after: HashSet<(u64, Tier)> = [11, 12, 15, 16]
+        .iter()
+        .map(|k| (*k, Tier::Host))
+        .chain([11, 12, 13, 14].iter().map(|k| (*k, Tier::Remote)))
+        .collect();
+    assert_eq!(snap, after);
+    let unknown_model = SnapshotRequest {
+        model: Some("other".into()),
+        ..SnapshotRequest::new(0)
+    };
+    let none = tokio::time::timeout(
+        Duration::from_millis(500),
+        nats.request(
+            "kvgate.snapshot.ns.node-a",
+            Bytes::from(unknown_model.encode().unwrap()),
+        ),
+    )
+    .await;
+    assert!(
+        !matches!(none, Ok(Ok(_))),
+        "a model the node does not serve gets no snapshot"
+    );
+
+    // Metrics saw it all.
+    let text = metrics(s.metrics_port).await;
+    assert_eq!(metric(&text, "kvgate_kvbm_tier_blocks{tier=\"host\"}"), 4.0);
+    assert!(metric(&text, "kvgate_kvbm_demoted_blocks_total") >= 2.0);
+    assert_eq!(
+        metric(&text, "kvgate_kvbm_onboarded_remote_blocks_total"),
+        2.0
+    );
+    assert_eq!(
+        metric(&text, "kvgate_kvbm_requests_total{op=\"offload\"}"),
+        2.0
+    );
+    assert_eq!(metric(&text, "kvgate_kvbm_nats_connected"), 1.0);
+    assert!(metric(&text, "kvgate_kvbm_snapshot_errors_total") >= 1.0);
+
+    // SIGTERM: the node's tiers are cleared on the wire, and the socket is removed.
+    let kvbm = s.kvbm.take().unwrap();
+    let pid = kvbm.0.id();
+    Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let msg = tokio::time::timeout_at(deadline.into(), events.next())
+            .await
+            .expect("Cleared within 5 s")
+            .unwrap();
+        let e = Envelope::decode(&msg.payload, &Default::default()).unwrap();
+        if e.events.contains(&KvEvent::Cleared { tier: None }) {
+            break;
+        }
+    }
+    drop(kvbm);
+    assert!(!s.socket.exists(), "socket removed on shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_violations_are_refused_and_the_daemon_keeps_serving() {
+    let s = stack(4);
+    let mut c = Client::connect(&s.socket, layout(), 4 * BLOCK)
+        .await
+        .unwrap();
+    // A slot past the declared segment.
+    let err = c
+        .offload(
+            None,
+            vec![Slot {
+                key: 1,
+                offset: 4 * BLOCK,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClientError::Refused {
+                code: ErrorCode::Slot,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // The connection still works after a refused request.
+    stage(&c, &[1]);
+    assert_eq!(
+        c.offload(None, vec![Slot { key: 1, offset: 0 }])
+            .await
+            .unwrap(),
+        (1, 0)
+    );
+    // A layout whose blocks fit no tier is refused at registration.
+    let mut huge = layout();
+    huge.block_bytes = 1 << 40;
+    let err = Client::connect(&s.socket, huge, 4 * BLOCK)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::Refused { .. }), "{err}");
+    // A connection without the handshake is closed; the daemon serves the next one.
+    {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut raw = tokio::net::UnixStream::connect(&s.socket).await.unwrap();
+        raw.write_all(b"\x00\x00\x00\x01x").await.unwrap();
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut buf)).await;
+    }
+    let mut again = Client::connect(&s.socket, layout(), 4 * BLOCK)
+        .await
+        .unwrap();
+    assert_eq!(again.lookup(vec![1]).await.unwrap(), (1, 1));
+    let text = metrics(s.metrics_port).await;
+    assert_eq!(
+        metric(&text, "kvgate_kvbm_request_errors_total{code=\"slot\"}"),
+        1.0
+    );
+    assert!(metric(&text, "kvgate_kvbm_connections_refused_total") >= 1.0);
+}
