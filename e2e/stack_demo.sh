@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The local stack's demo: `kvgate-bench up` (NATS, three kvgate-sim engines behind
-# kvgate-sidecars, kvgate-epp with file discovery, a real Envoy), a shared-prefix conversation
+# The local stack's demo: `kvgate-bench up --kvbm` (NATS, Redis and the KV block manager, three
+# kvgate-sim engines behind kvgate-sidecars, kvgate-epp with file discovery, a real Envoy), a
+# shared-prefix conversation
 # through Envoy that sticks to the engine holding its prefix (the engine reports cached tokens),
 # the EPP's metrics, then Ctrl-C (SIGINT) and a check that everything stopped.
 #
@@ -13,9 +14,9 @@ target=${CARGO_TARGET_DIR:-$root/target}
 cd "$root"
 # One package at a time: building them together unifies their dependencies' features and
 # rebuilds what `cargo build -p <crate>` already built.
-for pkg in kvgate-epp kvgate-sidecar kvgate-e2e; do cargo build -q "${flag[@]}" -p "$pkg" --bins; done
+for pkg in kvgate-epp kvgate-sidecar kvgate-kvbm kvgate-e2e; do cargo build -q "${flag[@]}" -p "$pkg" --bins; done
 out=$(mktemp /tmp/kvgate-stack-demo.XXXXXX)
-"$target/$profile/kvgate-bench" up --engines 3 > "$out" 2>"$out.err" &
+"$target/$profile/kvgate-bench" up --engines 3 --kvbm > "$out" 2>"$out.err" &
 up=$!
 cleanup() { kill -INT "$up" 2>/dev/null || true; wait "$up" 2>/dev/null || true; rm -f "$out" "$out.err"; }
 trap cleanup EXIT
@@ -50,6 +51,13 @@ m=$(curl -s "$metrics")
 for name in kvgate_epp_requests_routed_total kvgate_epp_prefix_hit_ratio kvgate_epp_nats_envelopes_applied_total kvgate_epp_nats_sources; do
   echo "$name $(echo "$m" | awk -v n="$name" '$1 ~ "^"n"({|$)" {s+=$2} END {print s+0}')"
 done
+kvbm_metrics=$(grep -o 'kvbm: .*' "$out" | grep -o 'http://[^ ,]*/metrics')
+[ -n "$kvbm_metrics" ] || fail "no kvbm line"
+k=$(curl -s "$kvbm_metrics")
+for name in kvgate_kvbm_nats_connected kvgate_kvbm_tier_capacity_bytes kvgate_kvbm_connections; do
+  echo "$name $(echo "$k" | awk -v n="$name" '$1 ~ "^"n"({|$)" {s+=$2} END {print s+0}')"
+done
+[ "$(echo "$k" | awk '$1 == "kvgate_kvbm_nats_connected" {print $2}')" = 1 ] || fail "the block manager is not on NATS"
 run_dir=$(awk '/run dir/ {print $3}' "$out")
 kill -INT "$up"; wait "$up" || fail "kvgate-bench up did not exit cleanly on Ctrl-C"
 trap - EXIT

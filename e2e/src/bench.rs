@@ -4,7 +4,7 @@
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum Command {
     /// Start Envoy, the EPP, simulated engines with sidecars and NATS on this machine.
-    Up(crate::stack::UpArgs),
+    Up(Box<crate::stack::UpArgs>),
     /// Drive an OpenAI endpoint with a workload; records as JSON lines, a summary table.
     Load(Box<crate::load::LoadArgs>),
     /// Summary table and PNG plots (TTFT, throughput vs load) from record files.

@@ -17,7 +17,7 @@ mod support;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kvgate_e2e::stack::{Component, Stack, StackConfig, probe};
+use kvgate_e2e::stack::{Component, KvbmConfig, Stack, StackConfig, probe};
 use scheduler::Policy;
 use support::gateway::{Reply, chat, post, post_bytes};
 
@@ -593,6 +593,101 @@ fn an_offloaded_prefix_is_routed_back_to_the_engine_holding_it_in_host_memory() 
     assert!(
         host_hits(&stack) >= 512.0,
         "the blocks should have come from host memory, not the GPU"
+    );
+    finish(stack);
+}
+
+#[test]
+fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut stack = start(StackConfig {
+        engines: 2,
+        kvbm: Some(KvbmConfig {
+            host_bytes: 4 << 20,
+            remote_bytes: 64 << 20,
+            ..KvbmConfig::default()
+        }),
+        ..StackConfig::default()
+    });
+    let socket = stack.kvbm_socket().unwrap();
+    let residencies = |stack: &Stack| epp_metric(stack, "kvgate_epp_index_residencies");
+    let before = residencies(&stack);
+    // A connector offloads 32 blocks of 256 KiB into 4 MiB of host memory: 16 stay there and
+    // 16 are demoted to Redis, and the EPP indexes all of them under the node.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    const BLOCK: u64 = 256 << 10;
+    let layout = kvgate_kvbm::store::Layout {
+        model: stack.config().model.clone(),
+        dtype: "bf16".into(),
+        layers: 32,
+        block_size: stack.config().block_size,
+        block_bytes: BLOCK,
+    };
+    let onboarded = runtime.block_on(async {
+        let mut c = kvgate_kvbm::client::Client::connect(&socket, layout, 32 * BLOCK)
+            .await
+            .unwrap();
+        let slots: Vec<kvgate_kvbm::protocol::Slot> = (0..32u64)
+            .map(|i| {
+                c.segment()
+                    .write(i * BLOCK, &vec![i as u8; BLOCK as usize])
+                    .unwrap();
+                kvgate_kvbm::protocol::Slot {
+                    key: 0xfeed_0000 + i,
+                    offset: i * BLOCK,
+                }
+            })
+            .collect();
+        assert_eq!(c.offload(None, slots.clone()).await.unwrap(), (32, 0));
+        c.onboard(slots).await.unwrap()
+    });
+    assert_eq!(
+        onboarded,
+        (32, 16, 16),
+        "16 from host memory, 16 back from Redis"
+    );
+    wait_for(
+        "the block manager's residencies in the EPP",
+        Duration::from_secs(5),
+        || residencies(&stack) >= before + 32.0,
+    );
+    let page = stack.kvbm_metrics().unwrap();
+    assert_eq!(
+        probe::metric_sum(&page, "kvgate_kvbm_onboarded_remote_blocks_total"),
+        Some(16.0)
+    );
+    // Requests still flow through Envoy and the EPP with the block manager's node listed.
+    let r = send(&stack, &chat("hello", "q", 4, false), &[]);
+    assert!(r.ok(), "{r:?}");
+    // A graceful stop publishes Cleared for the node: its 32 (block, tier) entries leave the
+    // index (the request above only added entries of its own).
+    let at_stop = residencies(&stack);
+    stack.restart(Component::Kvbm).unwrap();
+    wait_for(
+        "the node's entries to be cleared",
+        Duration::from_secs(5),
+        || residencies(&stack) <= at_stop - 32.0,
+    );
+    // Its death is noticed and named, with its log.
+    let pid = stack.pid(Component::Kvbm).unwrap();
+    std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    wait_for(
+        "the stack to notice",
+        Duration::from_secs(5),
+        || match stack.check() {
+            Ok(()) => false,
+            Err(e) => {
+                assert_eq!(e.component(), Some(Component::Kvbm), "{e}");
+                assert!(e.to_string().contains("kvbm.log"), "{e}");
+                true
+            }
+        },
     );
     finish(stack);
 }

@@ -2,19 +2,22 @@
 //! present) and G4 remote (Redis or S3) tiers, an offload/onboard API for engine connectors
 //! over a Unix socket with shared-memory block data, and tier residency published on NATS.
 //!
-//! What this build has, each part pure or at a single edge and tested on its own:
+//! The pure core and its edges:
 //!
-//! - [`store`]: the block store core — host (G2) and remote (G4) tiers, byte-budgeted LRU,
+//! - [`store`]: the block store — host (G2) and remote (G4) tiers, byte-budgeted LRU,
 //!   demotion of host evictions to remote, promotion on onboard, every residency change as an
 //!   ordered kvgate event (property-tested against a naive model and an event receiver);
-//! - [`remote`]: the Redis client of the remote tier (bounded RESP2 codec, per-command
-//!   deadline, reconnect after failure), tested against a real `redis-server`;
-//! - [`outbox`]: the store's events sealed into per-layout envelopes from a node source, and
-//!   snapshots consistent with them.
+//! - [`outbox`]: those events sealed into per-layout envelopes from a node source, and
+//!   snapshots consistent with them (pure);
+//! - [`protocol`]: the connector protocol's messages and framing (pure, bounded);
+//! - [`service`]: the store and outbox under one mutex, the queued remote writes, onboard's
+//!   remote fetches;
+//! - edges: [`server`] (the Unix socket; [`fdpass`] and [`segment`] for the shared-memory
+//!   data path), [`remote`] (Redis), [`nats`] (envelopes, snapshots), metrics and health;
+//! - [`client`]: the reference connector.
 //!
-//! Not yet: the connector socket and its shared-memory data path, the NATS and metrics edges,
-//! the disk tier (G3) and the daemon's main loop. Until they land (issue #8) the binary
-//! validates its configuration and exits with a message saying so.
+//! `docs/kvbm.md` documents the protocol, flags, metrics and what is not in this build (the
+//! disk tier, GDS, S3, pinning, NIXL, engine connectors).
 
 mod app;
 mod args;

@@ -21,10 +21,12 @@ pub struct Binaries {
     pub nats: PathBuf,
     /// The peer router, when one replaces Envoy and the EPP.
     pub router: Option<PathBuf>,
+    /// `kvgate-kvbm` and `redis-server`, when the stack runs the KV block manager.
+    pub kvbm: Option<(PathBuf, PathBuf)>,
 }
 
 const BUILD_HINT: &str = "build them first: cargo build -p kvgate-e2e -p kvgate-epp -p kvgate-sidecar \
-     (add --release when running kvgate-bench in release)";
+     -p kvgate-kvbm (add --release when running kvgate-bench in release)";
 
 impl Binaries {
     /// Finds every program `config` needs, or says which one is missing and how to get it.
@@ -48,6 +50,17 @@ impl Binaries {
             )?),
             (r, None) => Some(peer_router(r)?),
         };
+        let kvbm = match &config.kvbm {
+            None => None,
+            Some(_) => Some((
+                kvgate("kvgate-kvbm")?,
+                on_path(&config.redis_server).ok_or_else(|| StackError::MissingBinary {
+                    name: "redis-server".into(),
+                    path: config.redis_server.clone(),
+                    hint: "install it (Debian: apt-get install redis-server)".into(),
+                })?,
+            )),
+        };
         Ok(Binaries {
             sim: kvgate("kvgate-sim")?,
             sidecar: kvgate("kvgate-sidecar")?,
@@ -59,6 +72,7 @@ impl Binaries {
                 hint: "install it (Debian: apt-get install nats-server)".into(),
             })?,
             router,
+            kvbm,
         })
     }
 }

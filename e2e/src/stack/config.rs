@@ -105,6 +105,11 @@ pub struct StackConfig {
     pub envoy: Option<PathBuf>,
     /// The NATS server binary.
     pub nats_server: PathBuf,
+    /// Run the KV block manager (`kvgate-kvbm`, one for the machine as its node) with Redis
+    /// as its remote tier; the endpoints file then puts every endpoint on that node.
+    pub kvbm: Option<KvbmConfig>,
+    /// The Redis server binary (with `kvbm`).
+    pub redis_server: PathBuf,
     /// How long each component may take to become ready.
     pub ready_timeout: Duration,
     /// How long a stopped component may take to exit after SIGTERM before it is killed.
@@ -135,8 +140,31 @@ impl Default for StackConfig {
             bin_dir: None,
             envoy: None,
             nats_server: PathBuf::from("nats-server"),
+            kvbm: None,
+            redis_server: PathBuf::from("redis-server"),
             ready_timeout: Duration::from_secs(30),
             stop_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The KV block manager of a stack.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvbmConfig {
+    /// The node name (the block manager's NATS source and every endpoint's `node`).
+    pub node: String,
+    /// Host-memory tier bytes.
+    pub host_bytes: u64,
+    /// Bytes the node may keep in Redis (Redis's own `maxmemory` is set a quarter above).
+    pub remote_bytes: u64,
+}
+
+impl Default for KvbmConfig {
+    fn default() -> Self {
+        Self {
+            node: "local".into(),
+            host_bytes: 1 << 30,
+            remote_bytes: 4 << 30,
         }
     }
 }
@@ -183,6 +211,22 @@ impl StackConfig {
                 ));
             }
         }
+        if let Some(k) = &self.kvbm {
+            if k.node.is_empty()
+                || !k
+                    .node
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_".contains(c))
+            {
+                return Err(format!(
+                    "kvbm node `{}`: use letters, digits, `-` or `_`",
+                    k.node
+                ));
+            }
+            if k.host_bytes == 0 && k.remote_bytes == 0 {
+                return Err("kvbm: give host or remote bytes".into());
+            }
+        }
         if self.envoy_lb == EnvoyLb::OriginalDst && self.scheduler.fallbacks != 0 {
             return Err(
                 "--envoy-lb original-dst follows one endpoint only: set fallbacks to 0".into(),
@@ -194,6 +238,9 @@ impl StackConfig {
     /// The components this configuration runs, in start order.
     pub fn components(&self) -> Vec<Component> {
         let mut all = vec![Component::Nats];
+        if self.kvbm.is_some() {
+            all.extend([Component::Redis, Component::Kvbm]);
+        }
         all.extend((0..self.engine_processes()).map(Component::Engine));
         all.extend((0..self.engines).map(Component::Sidecar));
         if self.router == Router::EnvoyEpp {
@@ -229,6 +276,10 @@ impl StackConfig {
 pub enum Component {
     /// `nats-server`.
     Nats,
+    /// `redis-server`, the KV block manager's remote tier.
+    Redis,
+    /// `kvgate-kvbm`, the node's KV block manager.
+    Kvbm,
     /// `kvgate-sim` process `i` (pod `i / dp_ranks`, rank `i % dp_ranks`; without data
     /// parallelism, engine pod `i`).
     Engine(usize),
@@ -253,6 +304,8 @@ impl fmt::Display for Component {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Component::Nats => f.write_str("nats"),
+            Component::Redis => f.write_str("redis"),
+            Component::Kvbm => f.write_str("kvbm"),
             Component::Engine(i) => write!(f, "engine-{i}"),
             Component::Sidecar(i) => write!(f, "sidecar-{i}"),
             Component::Epp => f.write_str("epp"),
@@ -328,6 +381,24 @@ mod tests {
             names[1..6],
             ["engine-0", "engine-1", "sidecar-0", "sidecar-1", "epp"]
         );
+        let with_kvbm = StackConfig {
+            kvbm: Some(KvbmConfig::default()),
+            ..c.clone()
+        };
+        let order = with_kvbm.components();
+        assert_eq!(
+            order[..3],
+            [Component::Nats, Component::Redis, Component::Kvbm],
+            "the block manager is up before the engines and the EPP"
+        );
+        let bad = StackConfig {
+            kvbm: Some(KvbmConfig {
+                node: "a.b".into(),
+                ..KvbmConfig::default()
+            }),
+            ..c.clone()
+        };
+        assert!(bad.validate().is_err());
         let peer = StackConfig {
             router: Router::Smg,
             ..c

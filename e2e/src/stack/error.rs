@@ -69,9 +69,6 @@ pub enum StackError {
     /// The stack has no such component (an engine index out of range).
     #[error("this stack has no {0}")]
     NoSuchComponent(Component),
-    /// The KV block manager is not built yet, so the stack cannot start it (nor Redis).
-    #[error("--kvbm: the KV block manager is not yet built (issue #8); start the stack without it")]
-    KvbmNotYet,
 }
 
 impl StackError {
@@ -90,9 +87,7 @@ impl StackError {
 impl cli_support::ExitStatus for StackError {
     fn exit_code(&self) -> u8 {
         match self {
-            StackError::Config(_) | StackError::MissingBinary { .. } | StackError::KvbmNotYet => {
-                cli_support::EXIT_CONFIG
-            }
+            StackError::Config(_) | StackError::MissingBinary { .. } => cli_support::EXIT_CONFIG,
             _ => 1,
         }
     }

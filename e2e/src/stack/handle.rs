@@ -108,6 +108,19 @@ impl Stack {
         page(self.ports.epp_metrics, "/metrics")
     }
 
+    /// The KV block manager's connector socket, when the stack runs one.
+    pub fn kvbm_socket(&self) -> Option<PathBuf> {
+        self.config
+            .kvbm
+            .as_ref()
+            .map(|_| self.run_dir.join("kvbm.sock"))
+    }
+
+    /// The KV block manager's `/metrics` page.
+    pub fn kvbm_metrics(&self) -> std::io::Result<String> {
+        page(self.ports.kvbm_metrics, "/metrics")
+    }
+
     /// Engine process `i`'s own `/metrics` page.
     pub fn engine_metrics(&self, i: usize) -> std::io::Result<String> {
         page(self.ports.engine_http(i).unwrap_or(0), "/metrics")
@@ -223,15 +236,17 @@ impl Stack {
     }
 
     /// Envoy, then the EPP, then every sidecar at once (they drain in parallel), every engine,
-    /// and NATS last.
+    /// the block manager (its `Cleared` goes out while NATS is up) and Redis, and NATS last.
     fn stop_all(&mut self) {
-        let tiers: [Vec<Component>; 5] = [
+        let tiers: [Vec<Component>; 7] = [
             vec![Component::Envoy, Component::Router],
             vec![Component::Epp],
             (0..self.config.engines).map(Component::Sidecar).collect(),
             (0..self.config.engine_processes())
                 .map(Component::Engine)
                 .collect(),
+            vec![Component::Kvbm],
+            vec![Component::Redis],
             vec![Component::Nats],
         ];
         for tier in tiers {
@@ -268,6 +283,9 @@ impl Stack {
         let nats_events = self.config.kv_events == KvEventsPath::Nats;
         move || match component {
             Component::Nats => probe::tcp_open(ports.nats, PROBE_TIMEOUT),
+            Component::Redis => probe::tcp_open(ports.redis, PROBE_TIMEOUT),
+            // Serving connectors and connected to NATS.
+            Component::Kvbm => ok(ports.kvbm_metrics, "/readyz"),
             Component::Engine(i) => ports.engine_http(i).is_some_and(|p| ok(p, "/health")),
             Component::Sidecar(i) => ports
                 .engines
@@ -299,6 +317,54 @@ impl Stack {
                 strings(&["-a", "127.0.0.1", "-p", &self.ports.nats.to_string()]),
                 vec![],
             ),
+            Component::Redis => {
+                let remote = c.kvbm.as_ref().map_or(0, |k| k.remote_bytes);
+                (
+                    self.bins.kvbm.clone().map(|b| b.1).unwrap_or_default(),
+                    strings(&[
+                        "--port",
+                        &self.ports.redis.to_string(),
+                        "--bind",
+                        "127.0.0.1",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--maxmemory",
+                        &(remote + remote / 4).max(1 << 20).to_string(),
+                        "--maxmemory-policy",
+                        "allkeys-lru",
+                    ]),
+                    vec![],
+                )
+            }
+            Component::Kvbm => {
+                let k = c.kvbm.clone().unwrap_or_default();
+                (
+                    self.bins.kvbm.clone().map(|b| b.0).unwrap_or_default(),
+                    strings(&[
+                        "--node",
+                        &k.node,
+                        "--namespace",
+                        &c.namespace,
+                        "--socket",
+                        &path("kvbm.sock"),
+                        "--metrics-bind",
+                        "127.0.0.1",
+                        "--metrics-port",
+                        &self.ports.kvbm_metrics.to_string(),
+                        "--nats-url",
+                        &nats_url,
+                        "--host-bytes",
+                        &k.host_bytes.to_string(),
+                        "--remote-url",
+                        &format!("redis://127.0.0.1:{}", self.ports.redis),
+                        "--remote-bytes",
+                        &k.remote_bytes.to_string(),
+                    ]),
+                    rust_env.clone(),
+                )
+            }
             Component::Engine(i) => {
                 let (pod, rank) = c.engine_rank(i);
                 let p = self.ports.engines.get(pod).copied().unwrap_or(ZERO);

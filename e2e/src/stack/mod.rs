@@ -21,7 +21,7 @@ pub mod process;
 pub mod render;
 pub mod up;
 
-pub use config::{Component, EnvoyLb, KvEventsPath, Router, StackConfig};
+pub use config::{Component, EnvoyLb, KvEventsPath, KvbmConfig, Router, StackConfig};
 pub use error::StackError;
 pub use handle::Stack;
 pub use up::UpArgs;

@@ -39,10 +39,14 @@ pub struct Ports {
     pub envoy_listen: u16,
     /// Envoy's admin port.
     pub envoy_admin: u16,
+    /// Redis (the KV block manager's remote tier), when the stack runs one.
+    pub redis: u16,
+    /// The KV block manager's metrics and health port.
+    pub kvbm_metrics: u16,
 }
 
 const PER_ENGINE: usize = 5;
-const FIXED: usize = 6;
+const FIXED: usize = 8;
 
 impl Ports {
     /// Distinct free loopback ports for a stack of `engines` engine pods of `dp_ranks` ranks
@@ -78,6 +82,8 @@ impl Ports {
             epp_metrics: at(3),
             envoy_listen: at(4),
             envoy_admin: at(5),
+            redis: at(6),
+            kvbm_metrics: at(7),
             engines: (0..engines)
                 .map(|e| {
                     let b = FIXED + PER_ENGINE * e;
@@ -119,6 +125,8 @@ impl Ports {
             self.epp_metrics,
             self.envoy_listen,
             self.envoy_admin,
+            self.redis,
+            self.kvbm_metrics,
         ];
         for e in &self.engines {
             for r in 0..self.dp_ranks {

@@ -24,6 +24,9 @@ pub fn endpoints_yaml(config: &StackConfig, ports: &Ports, live: &[bool]) -> Str
             Component::pod_name(i),
             rank_ports.join(", ")
         );
+        if let Some(k) = &config.kvbm {
+            let _ = write!(out, ", node: {}", k.node);
+        }
         if config.kv_events == KvEventsPath::Direct {
             let _ = write!(
                 out,

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use scheduler::Policy;
 
-use super::config::{EnvoyLb, KvEventsPath, Router, StackConfig};
+use super::config::{EnvoyLb, KvEventsPath, KvbmConfig, Router, StackConfig};
 use super::error::StackError;
 use super::handle::Stack;
 
@@ -76,17 +76,25 @@ pub struct UpArgs {
     /// Envoy binary (default: $KVGATE_ENVOY, else the workspace's .venv).
     #[arg(long)]
     pub envoy: Option<PathBuf>,
-    /// Start the KV block manager (and Redis) too.
+    /// Start the KV block manager (`kvgate-kvbm`, this machine as its node) with Redis as its
+    /// remote tier; every endpoint is then on that node. Engine connectors use its socket
+    /// (printed at start).
     #[arg(long)]
     pub kvbm: bool,
+    /// The block manager's host-memory tier, MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub kvbm_host_mib: u64,
+    /// What the block manager may keep in Redis, MiB.
+    #[arg(long, default_value_t = 4096)]
+    pub kvbm_remote_mib: u64,
+    /// The Redis server binary (default: `redis-server` on the PATH).
+    #[arg(long, default_value = "redis-server")]
+    pub redis_server: PathBuf,
 }
 
 impl UpArgs {
     /// The stack configuration these options describe.
     pub fn config(&self) -> Result<StackConfig, StackError> {
-        if self.kvbm {
-            return Err(StackError::KvbmNotYet);
-        }
         let mut scheduler = match &self.scheduler_config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|source| StackError::Io {
@@ -122,6 +130,12 @@ impl UpArgs {
             bin_dir: self.bin_dir.clone(),
             envoy: self.envoy.clone(),
             ready_timeout: Duration::from_secs(self.ready_timeout_s),
+            kvbm: self.kvbm.then(|| KvbmConfig {
+                host_bytes: self.kvbm_host_mib << 20,
+                remote_bytes: self.kvbm_remote_mib << 20,
+                ..KvbmConfig::default()
+            }),
+            redis_server: self.redis_server.clone(),
             ..StackConfig::default()
         })
     }
@@ -181,12 +195,23 @@ fn announce(stack: &Stack) {
             p.envoy_admin
         ),
     };
+    let kvbm = match (&c.kvbm, stack.kvbm_socket()) {
+        (Some(k), Some(socket)) => format!(
+            "\n  kvbm:            node {}, socket {}, metrics http://127.0.0.1:{}/metrics, \
+             Redis redis://127.0.0.1:{}",
+            k.node,
+            socket.display(),
+            p.kvbm_metrics,
+            p.redis
+        ),
+        _ => String::new(),
+    };
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
         "kvgate stack ready ({} engines × {} data-parallel ranks)\n  OpenAI base URL: {}\n  \
          run dir:         {}\n  routing:         {routing}\n  NATS:            \
-         nats://127.0.0.1:{}\nCtrl-C stops it.",
+         nats://127.0.0.1:{}{kvbm}\nCtrl-C stops it.",
         c.engines,
         c.dp_ranks,
         stack.base_url(),
@@ -240,12 +265,14 @@ mod tests {
     }
 
     #[test]
-    fn kvbm_is_refused_clearly() {
-        let cli = Cli::try_parse_from(["x", "--kvbm"]).unwrap();
-        let err = cli.up.config().unwrap_err();
-        assert!(matches!(err, StackError::KvbmNotYet));
-        assert!(err.to_string().contains("not yet"));
-        // The daemon itself points at issue #8; the stack must name the same one.
-        assert!(err.to_string().contains("issue #8"), "{err}");
+    fn kvbm_options_map_to_the_config() {
+        let c = Cli::try_parse_from(["x"]).unwrap().up.config().unwrap();
+        assert_eq!(c.kvbm, None);
+        let cli = Cli::try_parse_from(["x", "--kvbm", "--kvbm-host-mib", "64"]).unwrap();
+        let c = cli.up.config().unwrap();
+        let k = c.kvbm.clone().unwrap();
+        assert_eq!((k.host_bytes, k.remote_bytes), (64 << 20, 4096 << 20));
+        c.validate().unwrap();
+        assert!(c.components().contains(&super::super::Component::Kvbm));
     }
 }
