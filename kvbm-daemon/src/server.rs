@@ -251,43 +251,76 @@ fn register(
     }
 }
 
-fn offload(s: &Session, parent: Option<u64>, slots: &[Slot], service: &Service) -> Response {
-    let mut blocks: Vec<(BlockKey, Bytes)> = Vec::with_capacity(slots.len());
+/// Block bytes one request holds in memory at once: larger offloads and onboards run in chunks
+/// of whole blocks (a request may name 4,096 blocks of any size).
+const CHUNK_BYTES: u64 = 64 << 20;
+
+fn chunk_len(block_bytes: u64) -> usize {
+    usize::try_from(CHUNK_BYTES / block_bytes.max(1))
+        .unwrap_or(usize::MAX)
+        .max(1)
+}
+
+/// Checks every slot against the segment, so a bad one refuses the request before anything
+/// is read, stored or written.
+fn check_slots(s: &Session, slots: &[Slot]) -> Result<(), Response> {
     for slot in slots {
-        match s.segment.read(slot.offset, s.block_bytes) {
-            Ok(data) => blocks.push((BlockKey(slot.key), data)),
-            Err(e) => return error(ErrorCode::Slot, e.to_string()),
+        s.segment
+            .check(slot.offset, s.block_bytes)
+            .map_err(|e| error(ErrorCode::Slot, e.to_string()))?;
+    }
+    Ok(())
+}
+
+fn offload(s: &Session, parent: Option<u64>, slots: &[Slot], service: &Service) -> Response {
+    if let Err(r) = check_slots(s, slots) {
+        return r;
+    }
+    let (mut stored, mut present) = (0u32, 0u32);
+    let mut parent = parent.map(BlockKey);
+    for chunk in slots.chunks(chunk_len(s.block_bytes)) {
+        let mut blocks: Vec<(BlockKey, Bytes)> = Vec::with_capacity(chunk.len());
+        for slot in chunk {
+            match s.segment.read(slot.offset, s.block_bytes) {
+                Ok(data) => blocks.push((BlockKey(slot.key), data)),
+                Err(e) => return error(ErrorCode::Segment, e.to_string()),
+            }
         }
+        match service.offload(s.layout, parent, &blocks) {
+            Ok(done) => {
+                stored += done.stored;
+                present += done.present;
+            }
+            Err(e) => return store_error(&e),
+        }
+        parent = chunk.last().map(|slot| BlockKey(slot.key));
     }
-    match service.offload(s.layout, parent.map(BlockKey), &blocks) {
-        Ok(done) => Response::Offloaded {
-            stored: done.stored,
-            present: done.present,
-        },
-        Err(e) => store_error(&e),
-    }
+    Response::Offloaded { stored, present }
 }
 
 async fn onboard(s: &Session, slots: &[Slot], service: &Service) -> Response {
-    // Check every slot first: nothing is written unless all of them are good.
-    for slot in slots {
-        if let Err(e) = s.segment.check(slot.offset, s.block_bytes) {
-            return error(ErrorCode::Slot, e.to_string());
-        }
+    if let Err(r) = check_slots(s, slots) {
+        return r;
     }
-    let keys: Vec<BlockKey> = slots.iter().map(|s| BlockKey(s.key)).collect();
-    let found = match service.onboard(s.layout, &keys).await {
-        Ok(f) => f,
-        Err(e) => return store_error(&e),
-    };
     let (mut from_host, mut from_remote) = (0u32, 0u32);
-    for ((data, tier), slot) in found.iter().zip(slots) {
-        if let Err(e) = s.segment.write(slot.offset, data) {
-            return error(ErrorCode::Segment, e.to_string());
+    for chunk in slots.chunks(chunk_len(s.block_bytes)) {
+        let keys: Vec<BlockKey> = chunk.iter().map(|s| BlockKey(s.key)).collect();
+        let found = match service.onboard(s.layout, &keys).await {
+            Ok(f) => f,
+            Err(e) => return store_error(&e),
+        };
+        for ((data, tier), slot) in found.iter().zip(chunk) {
+            if let Err(e) = s.segment.write(slot.offset, data) {
+                return error(ErrorCode::Segment, e.to_string());
+            }
+            match tier {
+                Tier::Host => from_host += 1,
+                _ => from_remote += 1,
+            }
         }
-        match tier {
-            Tier::Host => from_host += 1,
-            _ => from_remote += 1,
+        // The chain stops at the first block the node does not hold.
+        if found.len() < chunk.len() {
+            break;
         }
     }
     Response::Onboarded {

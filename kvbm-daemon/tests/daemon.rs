@@ -78,8 +78,8 @@ impl Drop for TempDir {
     }
 }
 
-/// nats-server, redis-server and kvgate-kvbm with a host tier of `host_blocks` blocks.
-fn stack(host_blocks: u64) -> Stack {
+/// nats-server, redis-server and kvgate-kvbm with a host tier of `host_bytes`.
+fn stack(host_bytes: u64) -> Stack {
     let dir = std::env::temp_dir().join(format!(
         "kvgate-kvbm-test-{}-{}",
         std::process::id(),
@@ -135,7 +135,7 @@ fn stack(host_blocks: u64) -> Stack {
             "--nats-url".into(),
             nats_url.clone(),
             "--host-bytes".into(),
-            (host_blocks * BLOCK).to_string(),
+            host_bytes.to_string(),
             "--remote-url".into(),
             format!("redis://127.0.0.1:{redis_port}"),
             "--remote-bytes".into(),
@@ -230,7 +230,7 @@ fn apply(resident: &mut HashSet<(u64, Tier)>, seq: &mut Option<u64>, e: &Envelop
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn offload_demote_onboard_publish_and_snapshot() {
-    let mut s = stack(4);
+    let mut s = stack(4 * BLOCK);
     let nats = async_nats::connect(&s.nats_url).await.unwrap();
     let mut events = nats.subscribe("kvgate.kvbm.ns.node-a").await.unwrap();
     nats.flush().await.unwrap();
@@ -384,7 +384,7 @@ async fn offload_demote_onboard_publish_and_snapshot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn protocol_violations_are_refused_and_the_daemon_keeps_serving() {
-    let s = stack(4);
+    let s = stack(4 * BLOCK);
     let mut c = Client::connect(&s.socket, layout(), 4 * BLOCK)
         .await
         .unwrap();
@@ -417,13 +417,23 @@ async fn protocol_violations_are_refused_and_the_daemon_keeps_serving() {
             .unwrap(),
         (1, 0)
     );
-    // A layout whose blocks fit no tier is refused at registration.
+    // A layout whose blocks fit no tier (4 blocks of host memory, 64 of Redis) is refused at
+    // registration.
     let mut huge = layout();
-    huge.block_bytes = 1 << 40;
-    let err = Client::connect(&s.socket, huge, 4 * BLOCK)
+    huge.block_bytes = 128 * BLOCK;
+    let err = Client::connect(&s.socket, huge, 128 * BLOCK)
         .await
         .unwrap_err();
-    assert!(matches!(err, ClientError::Refused { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            ClientError::Refused {
+                code: ErrorCode::Layout,
+                ..
+            }
+        ),
+        "{err}"
+    );
     // A connection without the handshake is closed; the daemon serves the next one.
     {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -442,4 +452,60 @@ async fn protocol_violations_are_refused_and_the_daemon_keeps_serving() {
         1.0
     );
     assert!(metric(&text, "kvgate_kvbm_connections_refused_total") >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_requests_run_in_chunks_and_keep_the_chain() {
+    // 20 blocks of 4 MiB are 80 MiB: more than one 64 MiB chunk.
+    const BIG: u64 = 4 << 20;
+    let s = stack(32 * BIG);
+    let nats = async_nats::connect(&s.nats_url).await.unwrap();
+    let mut events = nats.subscribe("kvgate.kvbm.ns.node-a").await.unwrap();
+    nats.flush().await.unwrap();
+    let big = Layout {
+        block_bytes: BIG,
+        ..layout()
+    };
+    let mut c = Client::connect(&s.socket, big, 20 * BIG).await.unwrap();
+    let slots: Vec<Slot> = (0..20u64)
+        .map(|i| {
+            c.segment()
+                .write(i * BIG, &vec![i as u8 + 1; BIG as usize])
+                .unwrap();
+            Slot {
+                key: 100 + i,
+                offset: i * BIG,
+            }
+        })
+        .collect();
+    assert_eq!(c.offload(Some(99), slots.clone()).await.unwrap(), (20, 0));
+    // The Stored events chain from the given parent through every chunk.
+    let mut chain = vec![99u64];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while chain.len() < 21 {
+        let msg = tokio::time::timeout_at(deadline.into(), events.next())
+            .await
+            .expect("envelopes within 5 s")
+            .unwrap();
+        let e = Envelope::decode(&msg.payload, &Default::default()).unwrap();
+        for ev in e.events {
+            if let KvEvent::Stored { keys, parent, .. } = ev {
+                assert_eq!(parent.map(|p| p.0), chain.last().copied(), "chained");
+                chain.extend(keys.iter().map(|k| k.0));
+            }
+        }
+    }
+    assert_eq!(chain, (99..120).collect::<Vec<u64>>());
+    for i in 0..20 {
+        c.segment().write(i * BIG, &[0u8; 16]).unwrap();
+    }
+    assert_eq!(c.onboard(slots.clone()).await.unwrap(), (20, 20, 0));
+    for slot in [&slots[0], &slots[16], &slots[19]] {
+        let head = c.segment().read(slot.offset, 16).unwrap();
+        assert!(
+            head.iter().all(|b| u64::from(*b) == slot.key - 99),
+            "block {}",
+            slot.key
+        );
+    }
 }
