@@ -625,6 +625,7 @@ fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
         layers: 32,
         block_size: stack.config().block_size,
         block_bytes: BLOCK,
+        shard: 0,
     };
     let onboarded = runtime.block_on(async {
         let mut c = kvgate_kvbm::client::Client::connect(&socket, layout, 32 * BLOCK)

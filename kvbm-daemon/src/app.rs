@@ -21,7 +21,7 @@ use crate::metrics::Metrics;
 use crate::outbox::{Identity, Outbox};
 use crate::remote::redis::{Redis, RedisConfig, RemoteError, redact};
 use crate::server::{self, ServerConfig};
-use crate::service::{self, Service};
+use crate::service::{self, RemoteQueue, Service};
 use crate::store::{BlockStore, StoreConfig};
 
 /// Why the daemon stopped with an error.
@@ -79,9 +79,12 @@ pub(crate) fn run(args: Args) -> Result<(), AppError> {
     runtime.block_on(serve(args))
 }
 
-/// Binds the connector socket: creates its directory, replaces a stale socket file, refuses
-/// to take over one a live daemon answers on, and sets mode 0660.
-fn bind_socket(path: &Path) -> Result<UnixListener, AppError> {
+/// Binds the connector socket: creates its directory, replaces a stale socket (refusing a
+/// live one, or a path that is not a socket), and publishes it at `path` already at mode 0660
+/// (bound under a temporary name, then renamed). Returns the listener and the socket's inode,
+/// so shutdown removes only its own socket.
+fn bind_socket(path: &Path) -> Result<(UnixListener, u64), AppError> {
+    use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, PermissionsExt as _};
     let fail = |message: String| AppError::Socket {
         path: path.display().to_string(),
         message,
@@ -89,17 +92,36 @@ fn bind_socket(path: &Path) -> Result<UnixListener, AppError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| fail(format!("creating its directory: {e}")))?;
     }
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(fail("the path exists and is not a socket".into()));
+        }
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             return Err(fail("another process is serving on it".into()));
         }
         std::fs::remove_file(path).map_err(|e| fail(format!("removing the stale socket: {e}")))?;
     }
-    let listener = UnixListener::bind(path).map_err(|e| fail(e.to_string()))?;
-    use std::os::unix::fs::PermissionsExt as _;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.tmp", std::process::id()));
+    let tmp = std::path::PathBuf::from(tmp);
+    let _ = std::fs::remove_file(&tmp);
+    let listener = UnixListener::bind(&tmp).map_err(|e| fail(e.to_string()))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o660))
         .map_err(|e| fail(format!("setting its mode: {e}")))?;
-    Ok(listener)
+    std::fs::rename(&tmp, path).map_err(|e| fail(format!("moving it into place: {e}")))?;
+    let inode = std::fs::symlink_metadata(path)
+        .map_err(|e| fail(e.to_string()))?
+        .ino();
+    Ok((listener, inode))
+}
+
+/// Removes the socket at `path` if it is still the one this daemon bound (a successor may
+/// have replaced it).
+fn remove_own_socket(path: &Path, inode: u64) {
+    use std::os::unix::fs::MetadataExt as _;
+    if std::fs::symlink_metadata(path).is_ok_and(|m| m.ino() == inode) {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 async fn serve(args: Args) -> Result<(), AppError> {
@@ -141,18 +163,22 @@ async fn serve(args: Args) -> Result<(), AppError> {
         }
     };
     let metrics = Arc::new(Metrics::default());
-    let (service, remote_rx) = Service::new(
+    let parts = Service::start(
         store,
         outbox,
         redis.clone(),
-        args.remote_queue,
+        RemoteQueue {
+            ops: args.remote_queue,
+            bytes: args.remote_queue_bytes,
+        },
         Arc::clone(&metrics),
     );
-    if let (Some(redis), Some(rx)) = (redis, remote_rx) {
-        tokio::spawn(service::remote_writer(redis, rx, Arc::clone(&metrics)));
+    let service = parts.service;
+    if let (Some(redis), Some(rx)) = (redis, parts.remote) {
+        tokio::spawn(service::remote_writer(Arc::clone(&service), redis, rx));
     }
 
-    let listener = bind_socket(&args.socket)?;
+    let (listener, inode) = bind_socket(&args.socket)?;
     let addr = SocketAddr::new(args.metrics_bind, args.metrics_port);
     let http = tokio::net::TcpListener::bind(addr)
         .await
@@ -176,16 +202,14 @@ async fn serve(args: Args) -> Result<(), AppError> {
         client.clone(),
         events_subject.clone(),
         Arc::clone(&service),
+        parts.sealed,
         Duration::from_millis(args.publish_interval_ms),
         stopped(stop_rx.clone()),
     ));
     {
         let (client, service) = (client.clone(), Arc::clone(&service));
         tokio::spawn(async move {
-            if let Err(e) =
-                crate::nats::serve_snapshots(client, snapshot_subject, events_subject, service)
-                    .await
-            {
+            if let Err(e) = crate::nats::serve_snapshots(client, snapshot_subject, service).await {
                 tracing::error!(error = %e, "snapshot responder stopped");
             }
         });
@@ -215,7 +239,9 @@ async fn serve(args: Args) -> Result<(), AppError> {
     ));
 
     cli_support::shutdown_signal().await;
-    service.clear_on_shutdown();
+    // From here every request and snapshot is refused, so the Cleared sealed now is the last
+    // envelope the node publishes.
+    service.close();
     let _ = stop_tx.send(true);
     let _ = socket_server.await;
     if tokio::time::timeout(Duration::from_secs(2), publisher)
@@ -224,13 +250,14 @@ async fn serve(args: Args) -> Result<(), AppError> {
     {
         tracing::warn!("the final Cleared events were not confirmed published within 2 s");
     }
-    let _ = std::fs::remove_file(&args.socket);
+    remove_own_socket(&args.socket, inode);
     tracing::info!("kvgate-kvbm stopped");
     Ok(())
 }
 
 async fn metrics_text(State(service): State<Arc<Service>>) -> String {
-    service.with_store(|store| service.metrics().render(store))
+    let queued = service.queued_bytes();
+    service.with_store(|store| service.metrics().render(store, queued))
 }
 
 async fn ready(State(service): State<Arc<Service>>) -> (StatusCode, &'static str) {

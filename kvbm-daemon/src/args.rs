@@ -41,6 +41,10 @@ pub struct Args {
     /// Remote writes queued at most; beyond it writes are dropped and counted.
     #[arg(long, default_value_t = 4096)]
     pub remote_queue: usize,
+    /// Block bytes queued for the remote store at most (memory above `--host-bytes` while
+    /// Redis is slow or away); beyond it demotions are dropped and counted.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub remote_queue_bytes: u64,
     /// NATS server.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     pub nats_url: String,

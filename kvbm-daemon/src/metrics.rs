@@ -103,8 +103,9 @@ impl Metrics {
         *m.entry((op, kind)).or_default() += 1;
     }
 
-    /// The exposition, with the store's gauges read through `store`.
-    pub fn render(&self, store: &BlockStore) -> String {
+    /// The exposition, with the store's gauges read through `store` and the bytes queued for
+    /// the remote store.
+    pub fn render(&self, store: &BlockStore, queued_bytes: u64) -> String {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
         let mut e = Exposition::new();
         e.single(
@@ -241,6 +242,13 @@ impl Metrics {
             "Remote writes (puts and deletes) done.",
             &[],
             get(&self.remote_ops),
+        )
+        .single(
+            "kvgate_kvbm_remote_queued_bytes",
+            Kind::Gauge,
+            "Block bytes queued for the remote store.",
+            &[],
+            queued_bytes as f64,
         )
         .single(
             "kvgate_kvbm_remote_dropped_total",

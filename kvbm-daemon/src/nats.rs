@@ -10,11 +10,12 @@ use std::time::Duration;
 
 use async_nats::{Client, ConnectOptions, Event};
 use bytes::Bytes;
+use kv_events::Envelope;
 use kv_events::snapshot::SnapshotRequest;
+use tokio::sync::mpsc;
 use tokio_stream::StreamExt as _;
 
 use crate::metrics::Metrics;
-use crate::outbox::Sealed;
 use crate::service::Service;
 
 /// Connects to `url` in the background; every reconnect starts a new epoch in `service`.
@@ -54,26 +55,30 @@ pub async fn connect(url: &str, service: Arc<Service>) -> Result<Client, async_n
     options.connect(url).await
 }
 
-/// Publishes sealed envelopes whenever the store changed (and at least every `interval`),
-/// until `shutdown`; then publishes what is left once more.
+/// The one publisher: seals pending events whenever the store changed (and at least every
+/// `interval`) and publishes the sealed channel in order, until `shutdown`; then publishes
+/// what is left (the final `Cleared`) once more and flushes.
 pub async fn publish_loop(
     client: Client,
     subject: String,
     service: Arc<Service>,
+    mut sealed: mpsc::UnboundedReceiver<Envelope>,
     interval: Duration,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let subject = async_nats::Subject::from(subject);
     tokio::pin!(shutdown);
-    let mut sealed = Vec::new();
+    let metrics = Arc::clone(service.metrics());
     loop {
         let stop = tokio::select! {
             () = &mut shutdown => true,
             () = service.changed() => false,
             () = tokio::time::sleep(interval) => false,
         };
-        service.seal(&mut sealed);
-        publish(&client, &subject, &mut sealed, service.metrics()).await;
+        service.seal();
+        while let Ok(envelope) = sealed.try_recv() {
+            publish(&client, &subject, &envelope, &metrics).await;
+        }
         if stop {
             let _ = client.flush().await;
             return;
@@ -81,30 +86,19 @@ pub async fn publish_loop(
     }
 }
 
-async fn publish(
-    client: &Client,
-    subject: &async_nats::Subject,
-    sealed: &mut Vec<Sealed>,
-    metrics: &Metrics,
-) {
-    for s in sealed.drain(..) {
-        let sent = match s.envelope.encode() {
-            Ok(bytes) => client
-                .publish(subject.clone(), Bytes::from(bytes))
-                .await
-                .is_ok(),
-            Err(_) => false,
-        };
-        if sent {
-            metrics.envelopes_published.fetch_add(1, Ordering::Relaxed);
-        } else {
-            metrics.publish_errors.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                layout = s.layout.0,
-                seq = s.envelope.seq,
-                "envelope publish failed"
-            );
-        }
+async fn publish(client: &Client, subject: &async_nats::Subject, e: &Envelope, metrics: &Metrics) {
+    let sent = match e.encode() {
+        Ok(bytes) => client
+            .publish(subject.clone(), Bytes::from(bytes))
+            .await
+            .is_ok(),
+        Err(_) => false,
+    };
+    if sent {
+        metrics.envelopes_published.fetch_add(1, Ordering::Relaxed);
+    } else {
+        metrics.publish_errors.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(epoch = e.epoch, seq = e.seq, "envelope publish failed");
     }
 }
 
@@ -112,11 +106,9 @@ async fn publish(
 pub async fn serve_snapshots(
     client: Client,
     subject: String,
-    events_subject: String,
     service: Arc<Service>,
 ) -> Result<(), async_nats::SubscribeError> {
     let mut sub = client.subscribe(subject.clone()).await?;
-    let events_subject = async_nats::Subject::from(events_subject);
     tracing::info!(%subject, "answering snapshot requests");
     let metrics = Arc::clone(service.metrics());
     while let Some(msg) = sub.next().await {
@@ -133,12 +125,9 @@ pub async fn serve_snapshots(
                 continue;
             }
         };
-        let mut sealed = Vec::new();
-        let snapshot = service.snapshot(req.model.as_deref(), &mut sealed);
-        // Envelopes sealed for the snapshot go out too: other receivers need them, and this
-        // one drops them (they are below the snapshot's next_seq).
-        publish(&client, &events_subject, &mut sealed, &metrics).await;
-        let snapshot = match snapshot {
+        // Envelopes sealed for the snapshot go to the publisher (other receivers need them;
+        // this one drops them, as they are below the snapshot's next_seq).
+        let snapshot = match service.snapshot(req.model.as_deref()) {
             Ok(s) => s,
             Err(e) => {
                 metrics.snapshot_errors.fetch_add(1, Ordering::Relaxed);

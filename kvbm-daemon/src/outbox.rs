@@ -1,18 +1,24 @@
-//! The publishing side's pure core: the store's events, per layout, sealed into kvgate
-//! envelopes, and snapshots consistent with them.
+//! The publishing side's pure core: the store's events sealed into kvgate envelopes, and
+//! snapshots consistent with them.
 //!
-//! The daemon publishes one source per layout (`source.node` set, no pool or pod; `model` and
-//! `block_size` from the layout), all under one random epoch per start. Each source's `seq`
-//! is contiguous from 0. [`Outbox::snapshot`] seals what is pending first, so the resident
-//! set it reports is exactly the effect of the envelopes below its `next_seq`.
+//! The daemon is one KV-event source (the EPP keeps one stream per node): `source.node` set,
+//! no pool or pod, `model` and `block_size` of its layouts (the store admits one model and
+//! block size per daemon), one random epoch per start, `seq` contiguous from 0.
+//!
+//! Several layouts (tensor-parallel shards, dtypes) can hold the same key. The receiver keeps a
+//! set of (key, tier), so the outbox counts holders per (key, tier) and publishes `Stored` when
+//! the first layout gains one and `Removed` when the last loses it. [`Outbox::snapshot`] seals
+//! what is pending first and reports the counted set, so it is exactly the effect of the
+//! envelopes below its `next_seq`.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 
 use kv_events::envelope::{ENVELOPE_VERSION, EngineKind};
 use kv_events::snapshot::{Snapshot, TierKeys};
-use kv_events::{Envelope, KvEvent, Source, Tier};
+use kv_events::{BlockKey, Envelope, KvEvent, Source, Tier};
 
-use crate::store::{BlockStore, Layout, LayoutId};
+use crate::store::BlockStore;
 
 /// Who the daemon is on the wire.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,44 +29,15 @@ pub struct Identity {
     pub node: String,
 }
 
-#[derive(Debug, Default)]
-struct Stream {
-    next_seq: u64,
-    pending: Vec<KvEvent>,
-}
-
-/// The envelope source of one layout on one node.
-fn node_source(identity: &Identity, layout: &Layout) -> Source {
-    Source {
-        namespace: identity.namespace.clone(),
-        pool: None,
-        pod: None,
-        ip: None,
-        port: None,
-        dp_rank: 0,
-        node: Some(identity.node.clone()),
-        model: layout.model.clone(),
-        engine: EngineKind::Kvbm,
-        block_size: layout.block_size,
-    }
-}
-
-/// Pending events per layout, and the sequence numbers already used.
+/// Pending events, the sequence numbers used, and how many layouts hold each (key, tier).
 #[derive(Debug)]
 pub struct Outbox {
     identity: Identity,
     epoch: u64,
     max_keys: usize,
-    streams: BTreeMap<LayoutId, Stream>,
-}
-
-/// A sealed envelope and the layout whose subject it goes to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Sealed {
-    /// The layout.
-    pub layout: LayoutId,
-    /// The envelope.
-    pub envelope: Envelope,
+    next_seq: u64,
+    pending: Vec<KvEvent>,
+    holders: HashMap<(BlockKey, Tier), u32>,
 }
 
 impl Outbox {
@@ -71,7 +48,9 @@ impl Outbox {
             identity,
             epoch,
             max_keys: max_keys_per_envelope.max(1),
-            streams: BTreeMap::new(),
+            next_seq: 0,
+            pending: Vec::new(),
+            holders: HashMap::new(),
         }
     }
 
@@ -80,95 +59,159 @@ impl Outbox {
         self.epoch
     }
 
-    /// The envelope source of `layout`, `None` when the store does not know it.
-    pub fn source(&self, store: &BlockStore, layout: LayoutId) -> Option<Source> {
-        store.layout(layout).map(|l| node_source(&self.identity, l))
+    /// The envelope source, `None` until a layout is registered.
+    pub fn source(&self, store: &BlockStore) -> Option<Source> {
+        let (_, layout) = store.layouts().next()?;
+        Some(Source {
+            namespace: self.identity.namespace.clone(),
+            pool: None,
+            pod: None,
+            ip: None,
+            port: None,
+            dp_rank: 0,
+            node: Some(self.identity.node.clone()),
+            model: layout.model.clone(),
+            engine: EngineKind::Kvbm,
+            block_size: layout.block_size,
+        })
     }
 
-    /// Starts over under `epoch`: every stream's `seq` restarts at 0 and pending events are
-    /// dropped (receivers see the new epoch and fetch snapshots, which hold the current state).
+    /// Starts over under `epoch`: `seq` restarts at 0 and pending events are dropped
+    /// (receivers see the new epoch and fetch snapshots, which hold the current state).
     pub fn new_epoch(&mut self, epoch: u64) {
         self.epoch = epoch;
-        for stream in self.streams.values_mut() {
-            *stream = Stream::default();
-        }
+        self.next_seq = 0;
+        self.pending.clear();
     }
 
-    /// Queues an event of `layout`.
-    pub fn push(&mut self, layout: LayoutId, event: KvEvent) {
-        let stream = self.streams.entry(layout).or_default();
-        stream.pending.push(event);
+    /// Queues the part of a layout's event that changes the (key, tier) set.
+    pub fn push(&mut self, event: KvEvent) {
+        match event {
+            KvEvent::Stored {
+                keys,
+                parent,
+                tier,
+                lora,
+                token_count,
+            } => {
+                let n = keys.len();
+                let new: Vec<BlockKey> = keys
+                    .into_iter()
+                    .filter(|k| {
+                        let c = self.holders.entry((*k, tier)).or_insert(0);
+                        *c += 1;
+                        *c == 1
+                    })
+                    .collect();
+                if new.is_empty() {
+                    return;
+                }
+                // A run with keys already held elsewhere loses its chain: no parent then.
+                let whole = new.len() == n;
+                let per_block = token_count / u32::try_from(n.max(1)).unwrap_or(u32::MAX);
+                self.pending.push(KvEvent::Stored {
+                    token_count: per_block.saturating_mul(new.len() as u32),
+                    keys: new,
+                    parent: if whole { parent } else { None },
+                    tier,
+                    lora,
+                });
+            }
+            KvEvent::Removed { keys, tier } => {
+                let gone: Vec<BlockKey> = keys
+                    .into_iter()
+                    .filter(|k| match self.holders.entry((*k, tier)) {
+                        Entry::Occupied(mut e) if *e.get() > 1 => {
+                            *e.get_mut() -= 1;
+                            false
+                        }
+                        Entry::Occupied(e) => {
+                            e.remove();
+                            true
+                        }
+                        Entry::Vacant(_) => false,
+                    })
+                    .collect();
+                if !gone.is_empty() {
+                    self.pending.push(KvEvent::Removed { keys: gone, tier });
+                }
+            }
+            KvEvent::Cleared { tier } => {
+                match tier {
+                    None => self.holders.clear(),
+                    Some(t) => self.holders.retain(|(_, held), _| *held != t),
+                }
+                self.pending.push(KvEvent::Cleared { tier });
+            }
+            KvEvent::Unknown => {}
+        }
     }
 
     /// Events waiting to be sealed.
     pub fn pending(&self) -> usize {
-        self.streams.values().map(|s| s.pending.len()).sum()
+        self.pending.len()
     }
 
     /// Seals every pending event into envelopes of at most the configured keys each.
-    pub fn seal(&mut self, store: &BlockStore, out: &mut Vec<Sealed>) {
-        for (layout, stream) in &mut self.streams {
-            if stream.pending.is_empty() {
-                continue;
+    pub fn seal(&mut self, store: &BlockStore, out: &mut Vec<Envelope>) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let Some(source) = self.source(store) else {
+            self.pending.clear();
+            return;
+        };
+        let mut batch: Vec<KvEvent> = Vec::new();
+        let mut keys = 0usize;
+        let events = std::mem::take(&mut self.pending);
+        for event in events {
+            let n = event.key_count();
+            if !batch.is_empty() && keys + n > self.max_keys {
+                out.push(self.envelope(&source, std::mem::take(&mut batch)));
+                keys = 0;
             }
-            let Some(l) = store.layout(*layout) else {
-                stream.pending.clear();
-                continue;
-            };
-            let source = node_source(&self.identity, l);
-            let mut batch: Vec<KvEvent> = Vec::new();
-            let mut keys = 0usize;
-            let mut emit = |batch: &mut Vec<KvEvent>, stream_seq: &mut u64| {
-                out.push(Sealed {
-                    layout: *layout,
-                    envelope: Envelope {
-                        v: ENVELOPE_VERSION,
-                        source: source.clone(),
-                        epoch: self.epoch,
-                        seq: *stream_seq,
-                        events: std::mem::take(batch),
-                    },
-                });
-                *stream_seq += 1;
-            };
-            for event in stream.pending.drain(..) {
-                let n = event.key_count();
-                if !batch.is_empty() && keys + n > self.max_keys {
-                    emit(&mut batch, &mut stream.next_seq);
-                    keys = 0;
-                }
-                keys += n;
-                batch.push(event);
-            }
-            if !batch.is_empty() {
-                emit(&mut batch, &mut stream.next_seq);
-            }
+            keys += n;
+            batch.push(event);
+        }
+        if !batch.is_empty() {
+            out.push(self.envelope(&source, batch));
         }
     }
 
-    /// Seals what is pending into `out`, then snapshots `layout`'s residency as of the end of
-    /// its sealed stream.
-    pub fn snapshot(
-        &mut self,
-        store: &BlockStore,
-        layout: LayoutId,
-        out: &mut Vec<Sealed>,
-    ) -> Option<Snapshot> {
+    fn envelope(&mut self, source: &Source, events: Vec<KvEvent>) -> Envelope {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        Envelope {
+            v: ENVELOPE_VERSION,
+            source: source.clone(),
+            epoch: self.epoch,
+            seq,
+            events,
+        }
+    }
+
+    /// Seals what is pending into `out`, then snapshots the published (key, tier) set as of the
+    /// end of the sealed stream; `None` before any layout is registered.
+    pub fn snapshot(&mut self, store: &BlockStore, out: &mut Vec<Envelope>) -> Option<Snapshot> {
         self.seal(store, out);
-        let source = self.source(store, layout)?;
-        let next_seq = self.streams.get(&layout).map_or(0, |s| s.next_seq);
-        let tiers = [Tier::Host, Tier::Remote]
+        let source = self.source(store)?;
+        let mut host = Vec::new();
+        let mut remote = Vec::new();
+        for (key, tier) in self.holders.keys() {
+            match tier {
+                Tier::Host => host.push(*key),
+                _ => remote.push(*key),
+            }
+        }
+        let tiers = [(Tier::Host, host), (Tier::Remote, remote)]
             .into_iter()
-            .map(|tier| TierKeys {
-                tier,
-                keys: store.resident(layout, tier),
-            })
-            .filter(|t| !t.keys.is_empty())
+            .filter(|(_, keys)| !keys.is_empty())
+            .map(|(tier, keys)| TierKeys { tier, keys })
             .collect();
         Some(Snapshot {
             source,
             epoch: self.epoch,
-            next_seq,
+            next_seq: self.next_seq,
             tiers,
         })
     }
@@ -179,11 +222,10 @@ mod tests {
     use std::collections::HashSet;
 
     use bytes::Bytes;
-    use kv_events::BlockKey;
     use proptest::prelude::*;
 
     use super::*;
-    use crate::store::{Effect, StoreConfig};
+    use crate::store::{Effect, Layout, LayoutId, StoreConfig};
 
     fn identity() -> Identity {
         Identity {
@@ -192,34 +234,55 @@ mod tests {
         }
     }
 
-    fn store() -> (BlockStore, LayoutId) {
+    /// A store of 4 host and 8 remote blocks with two shards of one model.
+    fn store() -> (BlockStore, [LayoutId; 2]) {
         let mut s = BlockStore::new(StoreConfig {
             host_bytes: 4 * 8,
             remote_bytes: 8 * 8,
         });
-        let l = s
-            .register(Layout {
-                model: "m".into(),
-                dtype: "fp8".into(),
-                layers: 2,
-                block_size: 4,
-                block_bytes: 8,
-            })
-            .unwrap();
-        (s, l)
+        let layout = |shard| Layout {
+            model: "m".into(),
+            dtype: "fp8".into(),
+            layers: 2,
+            block_size: 4,
+            block_bytes: 8,
+            shard,
+        };
+        let a = s.register(layout(0)).unwrap();
+        let b = s.register(layout(1)).unwrap();
+        (s, [a, b])
     }
 
     fn publish(outbox: &mut Outbox, fx: Vec<Effect>) {
         for e in fx {
-            if let Effect::Publish { layout, event } = e {
-                outbox.push(layout, event);
+            if let Effect::Publish { event, .. } = e {
+                outbox.push(event);
+            }
+        }
+    }
+
+    fn apply(resident: &mut HashSet<(BlockKey, Tier)>, e: &Envelope) {
+        for ev in &e.events {
+            match ev {
+                KvEvent::Stored { keys, tier, .. } => {
+                    for k in keys {
+                        assert!(resident.insert((*k, *tier)), "stored twice");
+                    }
+                }
+                KvEvent::Removed { keys, tier } => {
+                    for k in keys {
+                        assert!(resident.remove(&(*k, *tier)), "removed but absent");
+                    }
+                }
+                KvEvent::Cleared { tier: None } => resident.clear(),
+                other => panic!("unexpected {other:?}"),
             }
         }
     }
 
     #[test]
     fn envelopes_are_bounded_contiguous_and_name_the_node() {
-        let (mut s, l) = store();
+        let (mut s, [l, _]) = store();
         let mut outbox = Outbox::new(identity(), 7, 3);
         let mut fx = Vec::new();
         for k in 0..6u64 {
@@ -230,8 +293,7 @@ mod tests {
         let mut out = Vec::new();
         outbox.seal(&s, &mut out);
         assert!(out.len() >= 2);
-        for (i, sealed) in out.iter().enumerate() {
-            let e = &sealed.envelope;
+        for (i, e) in out.iter().enumerate() {
             assert_eq!((e.epoch, e.seq), (7, i as u64));
             assert!(e.events.iter().map(KvEvent::key_count).sum::<usize>() <= 3);
             assert_eq!(e.source.node.as_deref(), Some("node-a"));
@@ -241,47 +303,67 @@ mod tests {
         assert_eq!(outbox.pending(), 0);
     }
 
+    #[test]
+    fn a_key_two_shards_hold_is_stored_once_and_removed_with_the_last() {
+        let (mut s, [a, b]) = store();
+        let mut outbox = Outbox::new(identity(), 1, 100);
+        let block = |k| [(BlockKey(k), Bytes::from(vec![0u8; 8]))];
+        let mut fx = Vec::new();
+        s.offload(a, None, &block(1), &mut fx).unwrap();
+        s.offload(b, None, &block(1), &mut fx).unwrap();
+        publish(&mut outbox, fx);
+        let mut out = Vec::new();
+        outbox.seal(&s, &mut out);
+        let stored: usize = out
+            .iter()
+            .flat_map(|e| &e.events)
+            .map(KvEvent::key_count)
+            .sum();
+        assert_eq!(stored, 1);
+    }
+
     proptest! {
-        /// Applying the envelopes below a snapshot's `next_seq` gives exactly the snapshot.
+        /// Applying the envelopes below a snapshot's `next_seq` gives exactly the snapshot, and
+        /// applying them all gives the store's residency, with two shards sharing keys.
         #[test]
-        fn snapshots_match_the_envelopes_before_them(
-            keys in proptest::collection::vec(0u64..24, 1..80),
+        fn snapshots_and_streams_match_the_store(
+            ops in proptest::collection::vec((0usize..2, 0u64..12), 1..80),
             at in 0usize..80,
         ) {
-            let (mut s, l) = store();
+            let (mut s, layouts) = store();
             let mut outbox = Outbox::new(identity(), 1, 4);
             let mut sealed = Vec::new();
             let mut snap = None;
-            for (i, k) in keys.iter().enumerate() {
+            for (i, (l, k)) in ops.iter().enumerate() {
                 let mut fx = Vec::new();
                 let block = [(BlockKey(*k), Bytes::from(vec![0u8; 8]))];
-                s.offload(l, None, &block, &mut fx).unwrap();
+                s.offload(layouts[*l], None, &block, &mut fx).unwrap();
                 publish(&mut outbox, fx);
                 if i == at {
-                    snap = outbox.snapshot(&s, l, &mut sealed);
+                    snap = outbox.snapshot(&s, &mut sealed);
                 }
                 if i % 5 == 0 {
                     outbox.seal(&s, &mut sealed);
                 }
             }
-            let Some(snap) = snap else { return Ok(()); };
-            let mut resident: HashSet<(BlockKey, Tier)> = HashSet::new();
-            for e in sealed.iter().map(|s| &s.envelope).filter(|e| e.seq < snap.next_seq) {
-                for ev in &e.events {
-                    match ev {
-                        KvEvent::Stored { keys, tier, .. } => {
-                            resident.extend(keys.iter().map(|k| (*k, *tier)));
-                        }
-                        KvEvent::Removed { keys, tier } => {
-                            for k in keys {
-                                resident.remove(&(*k, *tier));
-                            }
-                        }
-                        other => prop_assert!(false, "unexpected {:?}", other),
-                    }
+            outbox.seal(&s, &mut sealed);
+            let mut all: HashSet<(BlockKey, Tier)> = HashSet::new();
+            for e in &sealed {
+                apply(&mut all, e);
+            }
+            let mut want: HashSet<(BlockKey, Tier)> = HashSet::new();
+            for l in layouts {
+                for tier in [Tier::Host, Tier::Remote] {
+                    want.extend(s.resident(l, tier).into_iter().map(|k| (k, tier)));
                 }
             }
-            prop_assert_eq!(resident, snap.entries().collect::<HashSet<_>>());
+            prop_assert_eq!(&all, &want);
+            let Some(snap) = snap else { return Ok(()); };
+            let mut upto: HashSet<(BlockKey, Tier)> = HashSet::new();
+            for e in sealed.iter().filter(|e| e.seq < snap.next_seq) {
+                apply(&mut upto, e);
+            }
+            prop_assert_eq!(upto, snap.entries().collect::<HashSet<_>>());
         }
     }
 }

@@ -214,6 +214,7 @@ mod tests {
             layers: 2,
             block_size: 4,
             block_bytes: 8,
+            shard: 0,
         }
     }
 

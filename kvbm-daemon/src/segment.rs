@@ -10,9 +10,10 @@ use rustix::fs::FileType;
 /// Why a segment was refused or an access failed.
 #[derive(Debug, thiserror::Error)]
 pub enum SegmentError {
-    /// The descriptor is not a regular file or memfd.
-    #[error("the segment descriptor is a {0:?}, not a regular file or memfd")]
-    NotAFile(FileType),
+    /// The descriptor is not a memfd (a file on a network or FUSE file system could block
+    /// the daemon's reads for ever).
+    #[error("the segment descriptor is not a memfd ({0})")]
+    NotAMemfd(String),
     /// The file is smaller than the connector declared.
     #[error("the segment has {size} bytes; the connector declared {declared}")]
     TooSmall {
@@ -61,7 +62,11 @@ impl Segment {
         let stat = rustix::fs::fstat(&fd).map_err(std::io::Error::from)?;
         let kind = FileType::from_raw_mode(stat.st_mode);
         if kind != FileType::RegularFile {
-            return Err(SegmentError::NotAFile(kind));
+            return Err(SegmentError::NotAMemfd(format!("a {kind:?}")));
+        }
+        // Only memfds (shmem) answer F_GET_SEALS.
+        if rustix::fs::fcntl_get_seals(&fd).is_err() {
+            return Err(SegmentError::NotAMemfd("a regular file".into()));
         }
         let size = u64::try_from(stat.st_size).unwrap_or(0);
         if size < declared {
@@ -164,7 +169,12 @@ mod tests {
         let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
         assert!(matches!(
             Segment::new(OwnedFd::from(a), 0, 8),
-            Err(SegmentError::NotAFile(_))
+            Err(SegmentError::NotAMemfd(_))
+        ));
+        let file = std::fs::File::open("/proc/self/exe").unwrap();
+        assert!(matches!(
+            Segment::new(OwnedFd::from(file), 0, 8),
+            Err(SegmentError::NotAMemfd(_))
         ));
     }
 }

@@ -13,7 +13,7 @@ use tokio::net::{UnixListener, UnixStream};
 use crate::fdpass;
 use crate::protocol::{self, ErrorCode, Request, Response, Slot};
 use crate::segment::Segment;
-use crate::service::Service;
+use crate::service::{Service, ServiceError};
 use crate::store::{Layout, LayoutId, StoreError};
 
 /// The socket's limits.
@@ -120,7 +120,9 @@ async fn connection(
         let request = match protocol::body_len(header) {
             Ok(len) => {
                 let mut body = vec![0u8; len];
-                stream.read_exact(&mut body).await?;
+                tokio::time::timeout(config.idle_timeout, stream.read_exact(&mut body))
+                    .await
+                    .map_err(|_| ConnError::Idle(config.idle_timeout))??;
                 protocol::decode_request(&body)
             }
             Err(e) => Err(e),
@@ -158,12 +160,20 @@ fn error(code: ErrorCode, message: impl Into<String>) -> Response {
     }
 }
 
-fn store_error(e: &StoreError) -> Response {
+fn service_error(e: &ServiceError) -> Response {
     let code = match e {
-        StoreError::BlockSize { .. } => ErrorCode::Slot,
-        StoreError::UnknownLayout(_) | StoreError::Layout(_) => ErrorCode::Layout,
+        ServiceError::Store(StoreError::BlockSize { .. }) => ErrorCode::Slot,
+        ServiceError::Store(StoreError::UnknownLayout(_) | StoreError::Layout(_)) => {
+            ErrorCode::Layout
+        }
+        ServiceError::Closing => ErrorCode::Unavailable,
     };
     error(code, e.to_string())
+}
+
+/// Runs blocking segment I/O without stalling the runtime's other tasks.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
 }
 
 /// Handles one request; the flag says whether to close the connection after answering.
@@ -203,7 +213,7 @@ async fn handle(
                     host: l.host,
                     any: l.any,
                 },
-                Err(e) => store_error(&e),
+                Err(e) => service_error(&e),
             }
         }
         Request::Onboard { blocks } => onboard(s, &blocks, service).await,
@@ -247,7 +257,7 @@ fn register(
             });
             Response::Registered { layout_id: id.0 }
         }
-        Err(e) => store_error(&e),
+        Err(e) => service_error(&e),
     }
 }
 
@@ -279,19 +289,25 @@ fn offload(s: &Session, parent: Option<u64>, slots: &[Slot], service: &Service) 
     let (mut stored, mut present) = (0u32, 0u32);
     let mut parent = parent.map(BlockKey);
     for chunk in slots.chunks(chunk_len(s.block_bytes)) {
-        let mut blocks: Vec<(BlockKey, Bytes)> = Vec::with_capacity(chunk.len());
-        for slot in chunk {
-            match s.segment.read(slot.offset, s.block_bytes) {
-                Ok(data) => blocks.push((BlockKey(slot.key), data)),
-                Err(e) => return error(ErrorCode::Segment, e.to_string()),
-            }
-        }
+        let read: Result<Vec<(BlockKey, Bytes)>, _> = blocking(|| {
+            chunk
+                .iter()
+                .map(|slot| {
+                    let data = s.segment.read(slot.offset, s.block_bytes)?;
+                    Ok::<_, crate::segment::SegmentError>((BlockKey(slot.key), data))
+                })
+                .collect()
+        });
+        let blocks = match read {
+            Ok(b) => b,
+            Err(e) => return error(ErrorCode::Segment, e.to_string()),
+        };
         match service.offload(s.layout, parent, &blocks) {
             Ok(done) => {
                 stored += done.stored;
                 present += done.present;
             }
-            Err(e) => return store_error(&e),
+            Err(e) => return service_error(&e),
         }
         parent = chunk.last().map(|slot| BlockKey(slot.key));
     }
@@ -307,12 +323,18 @@ async fn onboard(s: &Session, slots: &[Slot], service: &Service) -> Response {
         let keys: Vec<BlockKey> = chunk.iter().map(|s| BlockKey(s.key)).collect();
         let found = match service.onboard(s.layout, &keys).await {
             Ok(f) => f,
-            Err(e) => return store_error(&e),
+            Err(e) => return service_error(&e),
         };
-        for ((data, tier), slot) in found.iter().zip(chunk) {
-            if let Err(e) = s.segment.write(slot.offset, data) {
-                return error(ErrorCode::Segment, e.to_string());
-            }
+        let written = blocking(|| {
+            found
+                .iter()
+                .zip(chunk)
+                .try_for_each(|((data, _), slot)| s.segment.write(slot.offset, data))
+        });
+        if let Err(e) = written {
+            return error(ErrorCode::Segment, e.to_string());
+        }
+        for (_, tier) in &found {
             match tier {
                 Tier::Host => from_host += 1,
                 _ => from_remote += 1,

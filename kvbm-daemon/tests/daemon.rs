@@ -161,6 +161,7 @@ fn layout() -> Layout {
         layers: 2,
         block_size: 16,
         block_bytes: BLOCK,
+        shard: 0,
     }
 }
 

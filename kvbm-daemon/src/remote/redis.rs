@@ -237,8 +237,12 @@ impl Redis {
 
     async fn command(&self, name: &'static str, args: &[&[u8]]) -> Result<Reply, RemoteError> {
         let timeout = self.config.timeout;
-        let mut slot = self.conn.lock().await;
-        let result = tokio::time::timeout(timeout, async {
+        let deadline = tokio::time::Instant::now() + timeout;
+        // The deadline covers waiting for the connection too.
+        let Ok(mut slot) = tokio::time::timeout_at(deadline, self.conn.lock()).await else {
+            return Err(RemoteError::Timeout(timeout));
+        };
+        let result = tokio::time::timeout_at(deadline, async {
             if slot.is_none() {
                 *slot = Some(self.connect().await?);
             }
@@ -307,6 +311,17 @@ impl Conn {
             if let Parsed::Done(reply, used) = resp::parse(&self.buf, max_bulk)? {
                 self.buf.drain(..used);
                 return Ok(reply);
+            }
+            // One reply is at most one value and its framing (the commands used here never
+            // return large arrays): refuse to buffer more.
+            let limit = max_bulk.saturating_add(4 * resp::MAX_LINE);
+            if self.buf.len() > limit {
+                return Err(RespError::TooLarge {
+                    what: "reply",
+                    got: self.buf.len(),
+                    limit,
+                }
+                .into());
             }
             let mut chunk = [0u8; 16 * 1024];
             let n = self.stream.read(&mut chunk).await?;

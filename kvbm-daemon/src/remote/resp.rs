@@ -2,7 +2,8 @@
 //!
 //! A reply is parsed from the front of a buffer; [`Parsed::Incomplete`] asks for more bytes.
 //! Bulk strings larger than the caller's bound, arrays longer than [`MAX_ARRAY`] or nested
-//! deeper than [`MAX_DEPTH`], and lines longer than [`MAX_LINE`] are errors, so a misbehaving
+//! deeper than [`MAX_DEPTH`], and lines longer than [`MAX_LINE`] are errors. The client also
+//! caps what it buffers for one reply (one bulk value and its framing), so a misbehaving
 //! server cannot make the daemon allocate without limit.
 
 use bytes::Bytes;

@@ -23,6 +23,10 @@ pub struct Layout {
     pub block_size: u32,
     /// Bytes of one block; every block offloaded under this layout has exactly this size.
     pub block_bytes: u64,
+    /// The tensor-parallel shard the blocks belong to (each TP worker's connector offloads
+    /// its own slice of every block): shards of one block are different blocks here.
+    #[serde(default)]
+    pub shard: u32,
 }
 
 /// The most layouts one daemon holds (models × dtypes on one node).
@@ -39,6 +43,18 @@ pub enum LayoutError {
     /// The registry is full.
     #[error("too many layouts (at most {MAX_LAYOUTS})")]
     Full,
+    /// The daemon publishes one KV-event source per node, so every layout must be of the
+    /// first one's model and block size.
+    #[error(
+        "this node's block manager serves model {model:?} with {block_size}-token blocks; \
+         a layout of another model or block size needs its own daemon"
+    )]
+    OtherModel {
+        /// The registered model.
+        model: String,
+        /// Its block size.
+        block_size: u32,
+    },
     /// A block is bigger than any tier.
     #[error("a block of {block_bytes} bytes does not fit in any tier (largest {largest} bytes)")]
     TooLarge {
@@ -61,6 +77,7 @@ impl Layout {
         buf.extend_from_slice(&self.layers.to_le_bytes());
         buf.extend_from_slice(&self.block_size.to_le_bytes());
         buf.extend_from_slice(&self.block_bytes.to_le_bytes());
+        buf.extend_from_slice(&self.shard.to_le_bytes());
         xxhash_rust::xxh3::xxh3_64(&buf)
     }
 
@@ -95,6 +112,14 @@ impl Layouts {
         if let Some(i) = self.layouts.iter().position(|l| *l == layout) {
             return Ok(LayoutId(i as u32));
         }
+        if let Some(first) = self.layouts.first()
+            && (first.model != layout.model || first.block_size != layout.block_size)
+        {
+            return Err(LayoutError::OtherModel {
+                model: first.model.clone(),
+                block_size: first.block_size,
+            });
+        }
         if self.layouts.len() >= MAX_LAYOUTS {
             return Err(LayoutError::Full);
         }
@@ -118,51 +143,75 @@ impl Layouts {
 mod tests {
     use super::*;
 
-    pub(crate) fn layout(model: &str) -> Layout {
+    pub(crate) fn layout(shard: u32) -> Layout {
         Layout {
-            model: model.into(),
+            model: "m".into(),
             dtype: "fp8".into(),
             layers: 80,
             block_size: 32,
             block_bytes: 64,
+            shard,
         }
     }
 
     #[test]
     fn registration_is_idempotent_and_bounded() {
         let mut l = Layouts::default();
-        assert_eq!(l.register(layout("a")), Ok(LayoutId(0)));
-        assert_eq!(l.register(layout("b")), Ok(LayoutId(1)));
-        assert_eq!(l.register(layout("a")), Ok(LayoutId(0)));
+        assert_eq!(l.register(layout(0)), Ok(LayoutId(0)));
+        assert_eq!(l.register(layout(1)), Ok(LayoutId(1)));
+        assert_eq!(l.register(layout(0)), Ok(LayoutId(0)));
         for i in 2..MAX_LAYOUTS {
-            l.register(layout(&format!("m{i}"))).unwrap();
+            l.register(layout(i as u32)).unwrap();
         }
-        assert_eq!(l.register(layout("one-too-many")), Err(LayoutError::Full));
-        assert_eq!(l.get(LayoutId(1)).map(|l| l.model.as_str()), Some("b"));
+        assert_eq!(l.register(layout(999)), Err(LayoutError::Full));
+        assert_eq!(l.get(LayoutId(1)).map(|l| l.shard), Some(1));
+    }
+
+    #[test]
+    fn one_model_and_block_size_per_daemon() {
+        let mut l = Layouts::default();
+        l.register(layout(0)).unwrap();
+        let mut other = layout(0);
+        other.model = "other".into();
+        assert!(matches!(
+            l.register(other),
+            Err(LayoutError::OtherModel { .. })
+        ));
+        let mut other = layout(0);
+        other.block_size = 16;
+        assert!(matches!(
+            l.register(other),
+            Err(LayoutError::OtherModel { .. })
+        ));
+        let mut bf16 = layout(0);
+        bf16.dtype = "bf16".into();
+        assert_eq!(l.register(bf16), Ok(LayoutId(1)));
     }
 
     #[test]
     fn fingerprints_are_stable_and_tell_fields_apart() {
-        let a = layout("m");
-        assert_eq!(a.fingerprint(), layout("m").fingerprint());
-        let mut b = layout("m");
+        let a = layout(0);
+        assert_eq!(a.fingerprint(), layout(0).fingerprint());
+        assert_ne!(a.fingerprint(), layout(1).fingerprint(), "shards differ");
+        let mut b = layout(0);
         b.layers += 1;
         assert_ne!(a.fingerprint(), b.fingerprint());
         // Length-prefixed: moving a byte from model to dtype changes the hash.
-        let (mut c, mut d) = (layout("ab"), layout("a"));
-        c.dtype = "c".into();
-        d.dtype = "bc".into();
+        let (mut c, mut d) = (layout(0), layout(0));
+        (c.model, c.dtype) = ("ab".into(), "c".into());
+        (d.model, d.dtype) = ("a".into(), "bc".into());
         assert_ne!(c.fingerprint(), d.fingerprint());
     }
 
     #[test]
     fn bad_layouts_are_refused() {
-        let mut bad = layout("");
+        let mut bad = layout(0);
+        bad.model = String::new();
         assert!(bad.validate().is_err());
-        bad = layout("m");
+        bad = layout(0);
         bad.block_bytes = 0;
         assert!(bad.validate().is_err());
-        bad = layout("m");
+        bad = layout(0);
         bad.dtype = "x".repeat(MAX_NAME_BYTES + 1);
         assert!(bad.validate().is_err());
     }

@@ -135,7 +135,7 @@ pub struct StoreCounters {
     pub onboards: u64,
     /// Blocks onboarded from host memory.
     pub onboarded_host: u64,
-    /// Blocks onboarded from the remote store.
+    /// Blocks fetched from the remote store for an onboard ([`BlockStore::promote`] calls).
     pub onboarded_remote: u64,
 }
 
@@ -420,7 +420,6 @@ impl BlockStore {
                 self.counters.onboarded_host += 1;
             } else if self.remote.touch(&id) {
                 out.push(Found::Remote);
-                self.counters.onboarded_remote += 1;
             } else {
                 break;
             }
@@ -447,6 +446,8 @@ impl BlockStore {
                 want,
             });
         }
+        // The fetch succeeded: it counts even if the block is not kept in host memory below.
+        self.counters.onboarded_remote += 1;
         let Some(parent) = self.remote.get(&id).map(|r| r.value) else {
             return Ok(());
         };

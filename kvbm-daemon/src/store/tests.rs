@@ -6,13 +6,14 @@ use proptest::prelude::*;
 
 use super::*;
 
-fn layout(model: &str, block_bytes: u64) -> Layout {
+fn layout(shard: u32, block_bytes: u64) -> Layout {
     Layout {
-        model: model.into(),
+        model: "m".into(),
         dtype: "fp8".into(),
         layers: 2,
         block_size: 4,
         block_bytes,
+        shard,
     }
 }
 
@@ -204,7 +205,7 @@ fn check(host_cap: u64, remote_cap: u64, ops: Vec<Op>) -> Result<(), TestCaseErr
     };
     let mut rx = Receiver::default();
     for (i, b) in BYTES.iter().enumerate() {
-        let r = store.register(layout(&format!("m{i}"), *b));
+        let r = store.register(layout(i as u32, *b));
         if *b > host_cap.max(remote_cap) {
             let too_large = matches!(r, Err(StoreError::Layout(LayoutError::TooLarge { .. })));
             prop_assert!(too_large);
@@ -318,7 +319,7 @@ fn an_offload_is_validated_before_anything_changes() {
         host_bytes: 64,
         remote_bytes: 0,
     });
-    let l = store.register(layout("m", 8)).unwrap();
+    let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
     let blocks = [(BlockKey(1), data(1, 8)), (BlockKey(2), data(2, 7))];
     assert_eq!(
@@ -343,7 +344,7 @@ fn a_chain_is_one_stored_event_with_its_parent_and_tokens() {
         host_bytes: 64,
         remote_bytes: 64,
     });
-    let l = store.register(layout("m", 8)).unwrap();
+    let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
     let blocks: Vec<_> = (1..=3).map(|k| (BlockKey(k), data(k, 8))).collect();
     let got = store
@@ -377,7 +378,7 @@ fn host_eviction_demotes_to_remote_with_the_blocks_parent() {
         host_bytes: 16,
         remote_bytes: 64,
     });
-    let l = store.register(layout("m", 8)).unwrap();
+    let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
     let blocks: Vec<_> = (1..=3).map(|k| (BlockKey(k), data(k, 8))).collect();
     store.offload(l, None, &blocks, &mut fx).unwrap();
