@@ -1,6 +1,7 @@
 //! Wiring: the store and its service, the connector socket, the remote writer, the NATS
 //! publisher and snapshot responder, and the metrics/health server, until SIGTERM or SIGINT.
-//! On the way out the daemon publishes `Cleared` for every layout: its host tier goes with it.
+//! On the way out the daemon refuses every request and snapshot, then publishes one `Cleared`
+//! as its last envelope: its host tier goes with it.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -80,9 +81,9 @@ pub(crate) fn run(args: Args) -> Result<(), AppError> {
 }
 
 /// Binds the connector socket: creates its directory, replaces a stale socket (refusing a
-/// live one, or a path that is not a socket), and publishes it at `path` already at mode 0660
-/// (bound under a temporary name, then renamed). Returns the listener and the socket's inode,
-/// so shutdown removes only its own socket.
+/// live one, or a path that is not a socket), and creates it at mode 0660 (under a umask of
+/// 0117 for the bind, at startup before any other thread creates files). Returns the listener
+/// and the socket's inode, so shutdown removes only its own socket.
 fn bind_socket(path: &Path) -> Result<(UnixListener, u64), AppError> {
     use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, PermissionsExt as _};
     let fail = |message: String| AppError::Socket {
@@ -101,14 +102,13 @@ fn bind_socket(path: &Path) -> Result<(UnixListener, u64), AppError> {
         }
         std::fs::remove_file(path).map_err(|e| fail(format!("removing the stale socket: {e}")))?;
     }
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".{}.tmp", std::process::id()));
-    let tmp = std::path::PathBuf::from(tmp);
-    let _ = std::fs::remove_file(&tmp);
-    let listener = UnixListener::bind(&tmp).map_err(|e| fail(e.to_string()))?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o660))
+    let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o117));
+    let bound = UnixListener::bind(path);
+    rustix::process::umask(old);
+    let listener = bound.map_err(|e| fail(e.to_string()))?;
+    // Exactly 0660 whatever the umask was (it can only have removed bits).
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
         .map_err(|e| fail(format!("setting its mode: {e}")))?;
-    std::fs::rename(&tmp, path).map_err(|e| fail(format!("moving it into place: {e}")))?;
     let inode = std::fs::symlink_metadata(path)
         .map_err(|e| fail(e.to_string()))?
         .ino();

@@ -47,6 +47,8 @@ pub struct Metrics {
     pub snapshot_requests: AtomicU64,
     /// Snapshot requests not answered.
     pub snapshot_errors: AtomicU64,
+    /// Times unpublished events piled up and a new epoch replaced them.
+    pub outbox_overflows: AtomicU64,
     /// Whether NATS is connected.
     pub nats_connected: AtomicBool,
 }
@@ -67,6 +69,7 @@ impl Default for Metrics {
             publish_errors: AtomicU64::new(0),
             snapshot_requests: AtomicU64::new(0),
             snapshot_errors: AtomicU64::new(0),
+            outbox_overflows: AtomicU64::new(0),
             nats_connected: AtomicBool::new(false),
         }
     }
@@ -301,6 +304,13 @@ impl Metrics {
             "Snapshot requests not answered.",
             &[],
             get(&self.snapshot_errors),
+        )
+        .single(
+            "kvgate_kvbm_outbox_overflows_total",
+            Kind::Counter,
+            "Times unpublished events piled up (NATS away) and a new epoch replaced them.",
+            &[],
+            get(&self.outbox_overflows),
         )
         .single(
             "kvgate_kvbm_nats_connected",

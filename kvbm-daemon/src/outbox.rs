@@ -37,6 +37,7 @@ pub struct Outbox {
     max_keys: usize,
     next_seq: u64,
     pending: Vec<KvEvent>,
+    pending_keys: usize,
     holders: HashMap<(BlockKey, Tier), u32>,
 }
 
@@ -50,6 +51,7 @@ impl Outbox {
             max_keys: max_keys_per_envelope.max(1),
             next_seq: 0,
             pending: Vec::new(),
+            pending_keys: 0,
             holders: HashMap::new(),
         }
     }
@@ -82,6 +84,7 @@ impl Outbox {
         self.epoch = epoch;
         self.next_seq = 0;
         self.pending.clear();
+        self.pending_keys = 0;
     }
 
     /// Queues the part of a layout's event that changes the (key, tier) set.
@@ -109,6 +112,7 @@ impl Outbox {
                 // A run with keys already held elsewhere loses its chain: no parent then.
                 let whole = new.len() == n;
                 let per_block = token_count / u32::try_from(n.max(1)).unwrap_or(u32::MAX);
+                self.pending_keys += new.len();
                 self.pending.push(KvEvent::Stored {
                     token_count: per_block.saturating_mul(new.len() as u32),
                     keys: new,
@@ -133,6 +137,7 @@ impl Outbox {
                     })
                     .collect();
                 if !gone.is_empty() {
+                    self.pending_keys += gone.len();
                     self.pending.push(KvEvent::Removed { keys: gone, tier });
                 }
             }
@@ -152,6 +157,11 @@ impl Outbox {
         self.pending.len()
     }
 
+    /// Block keys in the events waiting to be sealed.
+    pub const fn pending_keys(&self) -> usize {
+        self.pending_keys
+    }
+
     /// Seals every pending event into envelopes of at most the configured keys each.
     pub fn seal(&mut self, store: &BlockStore, out: &mut Vec<Envelope>) {
         if self.pending.is_empty() {
@@ -159,10 +169,12 @@ impl Outbox {
         }
         let Some(source) = self.source(store) else {
             self.pending.clear();
+            self.pending_keys = 0;
             return;
         };
         let mut batch: Vec<KvEvent> = Vec::new();
         let mut keys = 0usize;
+        self.pending_keys = 0;
         let events = std::mem::take(&mut self.pending);
         for event in events {
             let n = event.key_count();

@@ -15,7 +15,7 @@
 //!   snapshot is answered, so nothing follows the final `Cleared` on the wire.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use bytes::Bytes;
@@ -79,7 +79,13 @@ pub enum SnapshotError {
 struct State {
     store: BlockStore,
     outbox: Outbox,
+    /// Set by [`Service::close`], under this lock: nothing changes or is published after.
+    closed: bool,
 }
+
+/// Events pending publication beyond which the outbox starts a new epoch instead (NATS has
+/// been away; receivers resynchronise from a snapshot either way).
+const MAX_PENDING_KEYS: usize = 1 << 20;
 
 /// Remote writes not yet done: readable by onboards meanwhile. Per name, the latest bytes
 /// and how many puts of it are queued (a block can be demoted again before its first put ran).
@@ -98,7 +104,6 @@ pub struct Service {
     pending_limit: u64,
     sealed_tx: mpsc::UnboundedSender<Envelope>,
     wake: Notify,
-    closing: AtomicBool,
     metrics: Arc<Metrics>,
 }
 
@@ -106,7 +111,6 @@ impl std::fmt::Debug for Service {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Service")
             .field("remote", &self.redis.as_ref().map(|r| r.address()))
-            .field("closing", &self.closing.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
 }
@@ -151,14 +155,17 @@ impl Service {
         };
         let (sealed_tx, sealed) = mpsc::unbounded_channel();
         let service = Arc::new(Self {
-            state: Mutex::new(State { store, outbox }),
+            state: Mutex::new(State {
+                store,
+                outbox,
+                closed: false,
+            }),
             redis,
             remote_tx: tx,
             pending: Mutex::new(Pending::default()),
             pending_limit: queue.bytes,
             sealed_tx,
             wake: Notify::new(),
-            closing: AtomicBool::new(false),
             metrics,
         });
         Parts {
@@ -177,11 +184,13 @@ impl Service {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn open(&self) -> Result<(), ServiceError> {
-        if self.closing.load(Ordering::Acquire) {
+    /// The state, unless the service is closed.
+    fn open(&self) -> Result<MutexGuard<'_, State>, ServiceError> {
+        let state = self.lock();
+        if state.closed {
             Err(ServiceError::Closing)
         } else {
-            Ok(())
+            Ok(state)
         }
     }
 
@@ -198,14 +207,13 @@ impl Service {
     /// Registers a connector's layout; with a remote tier, blocks above
     /// [`MAX_REMOTE_BLOCK_BYTES`] are refused.
     pub fn register(&self, layout: Layout) -> Result<LayoutId, ServiceError> {
-        self.open()?;
         if self.redis.is_some() && layout.block_bytes > MAX_REMOTE_BLOCK_BYTES {
             return Err(StoreError::Layout(crate::store::LayoutError::Invalid(
                 "blocks above 512 MiB do not fit the remote tier (Redis's bulk limit)",
             ))
             .into());
         }
-        Ok(self.lock().store.register(layout)?)
+        Ok(self.open()?.store.register(layout)?)
     }
 
     /// Stores a chain of blocks.
@@ -215,8 +223,7 @@ impl Service {
         parent: Option<BlockKey>,
         blocks: &[(BlockKey, Bytes)],
     ) -> Result<Offloaded, ServiceError> {
-        self.open()?;
-        let mut state = self.lock();
+        let mut state = self.open()?;
         let mut effects = Vec::new();
         let done = state.store.offload(layout, parent, blocks, &mut effects)?;
         self.dispatch(&mut state, effects);
@@ -225,8 +232,7 @@ impl Service {
 
     /// How much of a chain is held.
     pub fn lookup(&self, layout: LayoutId, keys: &[BlockKey]) -> Result<Lookup, ServiceError> {
-        self.open()?;
-        Ok(self.lock().store.lookup(layout, keys)?)
+        Ok(self.open()?.store.lookup(layout, keys)?)
     }
 
     /// The leading blocks of `keys` the node holds, each with the tier it came from; remote
@@ -237,9 +243,8 @@ impl Service {
         layout: LayoutId,
         keys: &[BlockKey],
     ) -> Result<Vec<(Bytes, Tier)>, ServiceError> {
-        self.open()?;
         let (found, fingerprint, block_bytes) = {
-            let mut state = self.lock();
+            let mut state = self.open()?;
             let found = state.store.onboard(layout, keys)?;
             let l = state
                 .store
@@ -270,14 +275,15 @@ impl Service {
             let mut effects = Vec::new();
             match data {
                 Ok(Some(data)) if data.len() as u64 == block_bytes => {
-                    let mut state = self.lock();
+                    // Closed while fetching: the final Cleared is out, change nothing more.
+                    let mut state = self.open()?;
                     state.store.promote(id, data.clone(), &mut effects)?;
                     self.dispatch(&mut state, effects);
                     out.push((data, Tier::Remote));
                 }
                 Ok(_) => {
                     // Gone (Redis evicted it, or its put was dropped), or corrupted.
-                    let mut state = self.lock();
+                    let mut state = self.open()?;
                     state.store.remote_lost(id, &mut effects);
                     self.dispatch(&mut state, effects);
                     break;
@@ -295,6 +301,7 @@ impl Service {
     /// Routes a store operation's effects: events to the outbox, remote writes to the queue.
     fn dispatch(&self, state: &mut State, effects: Vec<Effect>) {
         let mut published = false;
+        let mut dropped = Vec::new();
         for effect in effects {
             match effect {
                 Effect::Publish { event, .. } => {
@@ -302,8 +309,10 @@ impl Service {
                     published = true;
                 }
                 Effect::RemotePut { id, data } => {
-                    if let Some(name) = name_of(&state.store, id) {
-                        self.queue_put(name, data);
+                    if let Some(name) = name_of(&state.store, id)
+                        && !self.queue_put(name, data)
+                    {
+                        dropped.push(id);
                     }
                 }
                 Effect::RemoteDelete { id } => {
@@ -313,20 +322,45 @@ impl Service {
                 }
             }
         }
+        // A put that could not be queued never reaches Redis: forget the block there (after
+        // the loop, so its Removed follows its Stored).
+        for id in dropped {
+            let mut effects = Vec::new();
+            state.store.remote_lost(id, &mut effects);
+            for effect in effects {
+                if let Effect::Publish { event, .. } = effect {
+                    state.outbox.push(event);
+                    published = true;
+                }
+            }
+        }
+        if state.outbox.pending_keys() > MAX_PENDING_KEYS {
+            state.outbox.new_epoch(kv_bridge::epoch::random_epoch());
+            self.metrics
+                .outbox_overflows
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                limit = MAX_PENDING_KEYS,
+                "events piled up unpublished (NATS away?): starting a new epoch instead"
+            );
+        }
         if published {
             self.wake.notify_one();
         }
     }
 
-    fn queue_put(&self, name: String, data: Bytes) {
-        let Some(tx) = &self.remote_tx else { return };
+    /// Queues a put; false when it was dropped (the queue is full in operations or bytes).
+    fn queue_put(&self, name: String, data: Bytes) -> bool {
+        let Some(tx) = &self.remote_tx else {
+            return false;
+        };
         let len = data.len() as u64;
         {
             let mut p = self.pending();
             if p.bytes + len > self.pending_limit {
                 drop(p);
                 self.metrics.remote_dropped.fetch_add(1, Ordering::Relaxed);
-                return;
+                return false;
             }
             p.bytes += len;
             let entry = p.puts.entry(name.clone()).or_insert((data.clone(), 0));
@@ -342,7 +376,9 @@ impl Service {
         {
             self.put_done(&name);
             self.metrics.remote_dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
         }
+        true
     }
 
     fn queue_delete(&self, name: String) {
@@ -375,7 +411,7 @@ impl Service {
     /// Seals pending events into the sealed channel.
     pub fn seal(&self) {
         let mut state = self.lock();
-        let State { store, outbox } = &mut *state;
+        let State { store, outbox, .. } = &mut *state;
         let mut out = Vec::new();
         outbox.seal(store, &mut out);
         for e in out {
@@ -387,11 +423,8 @@ impl Service {
     /// A snapshot for a request naming `model` (or none); envelopes sealed on the way go to
     /// the sealed channel first.
     pub fn snapshot(&self, model: Option<&str>) -> Result<Snapshot, SnapshotError> {
-        if self.closing.load(Ordering::Acquire) {
-            return Err(SnapshotError::Closing);
-        }
-        let mut state = self.lock();
-        let State { store, outbox } = &mut *state;
+        let mut state = self.open().map_err(|_| SnapshotError::Closing)?;
+        let State { store, outbox, .. } = &mut *state;
         let served = store.layouts().next().map(|(_, l)| l.model.clone());
         match (&served, model) {
             (None, _) => return Err(SnapshotError::Empty),
@@ -415,14 +448,21 @@ impl Service {
     /// Refuses every later request and snapshot, then queues `Cleared` (the node's tiers go
     /// away with the daemon) and seals it: it is the last envelope.
     pub fn close(&self) {
-        self.closing.store(true, Ordering::Release);
-        {
-            let mut state = self.lock();
-            if state.store.layouts().next().is_some() {
-                state.outbox.push(KvEvent::Cleared { tier: None });
-            }
+        let mut state = self.lock();
+        if state.closed {
+            return;
         }
-        self.seal();
+        state.closed = true;
+        if state.store.layouts().next().is_some() {
+            state.outbox.push(KvEvent::Cleared { tier: None });
+        }
+        let State { store, outbox, .. } = &mut *state;
+        let mut out = Vec::new();
+        outbox.seal(store, &mut out);
+        for e in out {
+            let _ = self.sealed_tx.send(e);
+        }
+        drop(state);
         self.wake.notify_one();
     }
 
@@ -550,8 +590,9 @@ mod tests {
         // Blocks 1 and 2 were demoted; only one fits the queue.
         assert_eq!(s.queued_bytes(), B);
         assert_eq!(s.metrics().remote_dropped.load(Ordering::Relaxed), 1);
-        // Block 1 comes from the queue; block 2's put was dropped and Redis is unreachable
-        // here, so the onboard stops there.
+        // Block 2's put was dropped, so the store forgot it at once (Removed, not a phantom
+        // remote entry); block 1 comes from the queue.
+        assert_eq!(s.lookup(l, &[BlockKey(2)]).unwrap().any, 0);
         let got = s.onboard(l, &[BlockKey(1), BlockKey(2)]).await.unwrap();
         assert_eq!(got.len(), 1);
     }
