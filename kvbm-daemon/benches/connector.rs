@@ -17,42 +17,19 @@
     clippy::print_stdout
 )]
 
-use std::net::TcpListener;
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvgate_kvbm::client::Client;
 use kvgate_kvbm::protocol::Slot;
 use kvgate_kvbm::segment::{self, Segment};
 use kvgate_kvbm::store::Layout;
+use support::{Proc, free_port, redis_server, wait_for};
 
 const PER_REQUEST: u64 = 16;
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn wait_for(cond: impl Fn() -> bool, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(Instant::now() < deadline, "{what} did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -87,16 +64,10 @@ fn daemon(dir: &Path, host_bytes: u64, redis: Option<u16>) -> (Proc, PathBuf) {
             (64u64 << 30).to_string(),
         ]);
     }
-    let child = Command::new(env!("CARGO_BIN_EXE_kvgate-kvbm"))
-        .args(&args)
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let proc = Proc::spawn(env!("CARGO_BIN_EXE_kvgate-kvbm"), &args);
     let s = socket.clone();
-    wait_for(|| s.exists(), "kvgate-kvbm");
-    (Proc(child), socket)
+    wait_for("kvgate-kvbm", || s.exists());
+    (proc, socket)
 }
 
 /// GB/s of `bytes` moved in `d`.
@@ -218,21 +189,7 @@ fn main() {
     );
 
     let redis_port = free_port();
-    let redis_bin =
-        std::env::var("KVGATE_REDIS_SERVER").unwrap_or_else(|_| "/usr/bin/redis-server".into());
-    let _redis = Proc(
-        Command::new(redis_bin)
-            .args(["--port", &redis_port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server (apt-get install redis-server)"),
-    );
-    wait_for(
-        || std::net::TcpStream::connect(("127.0.0.1", redis_port)).is_ok(),
-        "redis-server",
-    );
+    let _redis = redis_server(redis_port, None);
     let (_remote_daemon, socket) = daemon(&dir, 4 * block, Some(redis_port));
     let (off, on, remote) = runtime.block_on(round_trip(&socket, block, blocks));
     println!(

@@ -38,11 +38,6 @@ pub use args::Args;
 
 /// Validates the configuration, then runs the daemon until SIGTERM or SIGINT.
 pub fn run(args: Args) -> Result<(), AppError> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    cli_support::init_tracing();
     app::run(args)
 }

@@ -8,10 +8,11 @@
     clippy::indexing_slicing
 )]
 
+mod support;
+
 use std::collections::HashSet;
-use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -20,45 +21,10 @@ use kv_events::{Envelope, KvEvent, Tier};
 use kvgate_kvbm::client::{Client, ClientError};
 use kvgate_kvbm::protocol::{ErrorCode, Slot};
 use kvgate_kvbm::store::Layout;
+use support::{Proc, free_port, nats_server, redis_server, wait_port};
 use tokio_stream::StreamExt as _;
 
 const BLOCK: u64 = 4096;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn wait_port(port: u16, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "{what} did not listen on {port}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn spawn(bin: &str, args: &[String]) -> Proc {
-    Proc(
-        Command::new(bin)
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {bin}: {e}")),
-    )
-}
 
 struct Stack {
     _nats: Proc,
@@ -87,39 +53,13 @@ fn stack(host_bytes: u64) -> Stack {
     ));
     std::fs::create_dir_all(&dir).unwrap();
     let nats_port = free_port();
-    let nats_bin =
-        std::env::var("KVGATE_NATS_SERVER").unwrap_or_else(|_| "/usr/sbin/nats-server".into());
-    let nats = spawn(
-        &nats_bin,
-        &[
-            "-a".into(),
-            "127.0.0.1".into(),
-            "-p".into(),
-            nats_port.to_string(),
-        ],
-    );
-    wait_port(nats_port, "nats-server");
+    let nats = nats_server(nats_port);
     let redis_port = free_port();
-    let redis_bin =
-        std::env::var("KVGATE_REDIS_SERVER").unwrap_or_else(|_| "/usr/bin/redis-server".into());
-    let redis = spawn(
-        &redis_bin,
-        &[
-            "--port".into(),
-            redis_port.to_string(),
-            "--bind".into(),
-            "127.0.0.1".into(),
-            "--save".into(),
-            String::new(),
-            "--appendonly".into(),
-            "no".into(),
-        ],
-    );
-    wait_port(redis_port, "redis-server");
+    let redis = redis_server(redis_port, None);
     let metrics_port = free_port();
     let socket = dir.join("kvbm.sock");
     let nats_url = format!("nats://127.0.0.1:{nats_port}");
-    let kvbm = spawn(
+    let kvbm = Proc::spawn(
         env!("CARGO_BIN_EXE_kvgate-kvbm"),
         &[
             "--node".into(),

@@ -2,54 +2,26 @@
 //! `scripts/bootstrap.sh`; `KVGATE_REDIS_SERVER` points elsewhere).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+mod support;
+
+use std::time::Duration;
 
 use kvgate_kvbm::remote::redis::{Redis, RedisConfig, RemoteError};
+use support::{free_port, redis_server};
 
+/// A `redis-server` and its port.
 struct Server {
-    child: Child,
+    _proc: support::Proc,
     port: u16,
 }
 
 impl Server {
     fn start(port: u16, password: Option<&str>) -> Self {
-        let bin =
-            std::env::var("KVGATE_REDIS_SERVER").unwrap_or_else(|_| "/usr/bin/redis-server".into());
-        let mut cmd = Command::new(&bin);
-        cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        if let Some(p) = password {
-            cmd.args(["--requirepass", p]);
+        Self {
+            _proc: redis_server(port, password),
+            port,
         }
-        let child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {bin} (apt-get install redis-server): {e}"));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "redis-server did not listen");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Self { child, port }
     }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn client(url: &str) -> Redis {

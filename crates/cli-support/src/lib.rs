@@ -1,4 +1,5 @@
-//! Helpers shared by kvgate's binaries: how they report errors and which exit codes they use.
+//! Helpers shared by kvgate's binaries: how they report errors, which exit codes they use, and
+//! how they set up logging.
 //!
 //! Exit codes: 0 success, 1 runtime failure, 2 bad configuration or a capability this build
 //! does not contain. Errors print once to stderr with their chain of causes.
@@ -98,6 +99,17 @@ pub fn exit<E: Error + ExitStatus>(result: Result<(), E>) -> ExitCode {
             ExitCode::from(e.exit_code())
         }
     }
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`); does nothing if a subscriber is
+/// already installed (tests, a second call).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 #[cfg(test)]

@@ -88,12 +88,7 @@ pub fn run(args: Args) -> Result<(), SimError> {
 }
 
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    cli_support::init_tracing();
 }
 
 async fn serve(args: Args) -> Result<(), SimError> {
