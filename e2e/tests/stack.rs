@@ -628,7 +628,7 @@ fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
         shard: 0,
     };
     let onboarded = runtime.block_on(async {
-        let mut c = kvgate_kvbm::client::Client::connect(&socket, layout, 32 * BLOCK)
+        let mut c = kvgate_kvbm::client::Client::connect(&socket, layout.clone(), 32 * BLOCK)
             .await
             .unwrap();
         let slots: Vec<kvgate_kvbm::protocol::Slot> = (0..32u64)
@@ -671,6 +671,31 @@ fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
         "the node's entries to be cleared",
         Duration::from_secs(5),
         || residencies(&stack) <= at_stop - 32.0,
+    );
+    // A crash sends no Cleared: the next start's first envelope (a Cleared under a new epoch)
+    // clears what the crashed run left in the index.
+    let before_crash = residencies(&stack);
+    runtime.block_on(async {
+        let mut c = kvgate_kvbm::client::Client::connect(&socket, layout, 8 * BLOCK)
+            .await
+            .unwrap();
+        let slots: Vec<kvgate_kvbm::protocol::Slot> = (0..8u64)
+            .map(|i| kvgate_kvbm::protocol::Slot {
+                key: 0xbeef_0000 + i,
+                offset: i * BLOCK,
+            })
+            .collect();
+        assert_eq!(c.offload(None, slots).await.unwrap(), (8, 0));
+    });
+    wait_for("the new blocks in the EPP", Duration::from_secs(5), || {
+        residencies(&stack) >= before_crash + 8.0
+    });
+    stack.kill(Component::Kvbm).unwrap();
+    stack.restart(Component::Kvbm).unwrap();
+    wait_for(
+        "a restarted block manager to clear its crashed run's entries",
+        Duration::from_secs(5),
+        || residencies(&stack) <= before_crash + 0.5,
     );
     // Its death is noticed and named, with its log.
     let pid = stack.pid(Component::Kvbm).unwrap();

@@ -44,6 +44,10 @@ fn daemon(dir: &Path, host_bytes: u64, redis: Option<u16>) -> (Proc, PathBuf) {
     let mut args = vec![
         "--node".to_owned(),
         "bench".into(),
+        "--model".into(),
+        "bench".into(),
+        "--block-size".into(),
+        "16".into(),
         "--socket".into(),
         socket.display().to_string(),
         "--metrics-bind".into(),

@@ -139,6 +139,8 @@ async fn serve(args: Args) -> Result<(), AppError> {
         Identity {
             namespace: args.namespace.clone(),
             node: args.node.clone(),
+            model: args.model.clone(),
+            block_size: args.block_size,
         },
         epoch,
         args.max_keys_per_envelope,
@@ -174,6 +176,8 @@ async fn serve(args: Args) -> Result<(), AppError> {
         Arc::clone(&metrics),
     );
     let service = parts.service;
+    // The epoch's first envelope: whatever a previous run left in receivers' indexes goes.
+    service.announce_start();
     if let (Some(redis), Some(rx)) = (redis, parts.remote) {
         tokio::spawn(service::remote_writer(Arc::clone(&service), redis, rx));
     }

@@ -54,6 +54,13 @@ pub struct Args {
     /// Node name (from the downward API in Kubernetes).
     #[arg(long, env = "NODE_NAME")]
     pub node: String,
+    /// The served model name (the key seed of its blocks): the EPP follows one KV-event stream
+    /// per node, so a daemon serves one model, and every connector's layout must name it.
+    #[arg(long, env = "KVGATE_MODEL")]
+    pub model: String,
+    /// Tokens per KV block (every connector's layout must match).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
     /// Connectors served at once.
     #[arg(long, default_value_t = 256)]
     pub max_connections: u64,
@@ -96,6 +103,12 @@ impl Args {
         if self.node.is_empty() {
             return Err("--node (NODE_NAME) must not be empty".into());
         }
+        if self.model.is_empty() || self.model.len() > crate::store::MAX_NAME_BYTES {
+            return Err("--model must be 1 to 256 bytes".into());
+        }
+        if self.block_size == 0 {
+            return Err("--block-size must be positive".into());
+        }
         if self.remote_timeout_ms == 0 || self.idle_timeout_s == 0 || self.publish_interval_ms == 0
         {
             return Err(
@@ -117,7 +130,7 @@ mod tests {
     use super::*;
 
     fn parse(extra: &[&str]) -> Args {
-        let mut argv = vec!["kvgate-kvbm", "--node", "n1"];
+        let mut argv = vec!["kvgate-kvbm", "--node", "n1", "--model", "m"];
         argv.extend_from_slice(extra);
         Args::try_parse_from(argv).unwrap()
     }

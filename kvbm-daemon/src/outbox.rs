@@ -2,8 +2,8 @@
 //! snapshots consistent with them.
 //!
 //! The daemon is one KV-event source (the EPP keeps one stream per node): `source.node` set,
-//! no pool or pod, `model` and `block_size` of its layouts (the store admits one model and
-//! block size per daemon), one random epoch per start, `seq` contiguous from 0.
+//! no pool or pod, the `model` and `block_size` it was started for (every layout must match),
+//! one random epoch per start, `seq` contiguous from 0.
 //!
 //! Several layouts (tensor-parallel shards, dtypes) can hold the same key. The receiver keeps a
 //! set of (key, tier), so the outbox counts holders per (key, tier) and publishes `Stored` when
@@ -18,8 +18,6 @@ use kv_events::envelope::{ENVELOPE_VERSION, EngineKind};
 use kv_events::snapshot::{Snapshot, TierKeys};
 use kv_events::{BlockKey, Envelope, KvEvent, Source, Tier};
 
-use crate::store::BlockStore;
-
 /// Who the daemon is on the wire.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
@@ -27,6 +25,10 @@ pub struct Identity {
     pub namespace: String,
     /// The node.
     pub node: String,
+    /// The served model (the key seed): every layout's model.
+    pub model: String,
+    /// Tokens per block: every layout's block size.
+    pub block_size: u32,
 }
 
 /// Pending events, the sequence numbers used, and how many layouts hold each (key, tier).
@@ -61,10 +63,9 @@ impl Outbox {
         self.epoch
     }
 
-    /// The envelope source, `None` until a layout is registered.
-    pub fn source(&self, store: &BlockStore) -> Option<Source> {
-        let (_, layout) = store.layouts().next()?;
-        Some(Source {
+    /// The envelope source.
+    pub fn source(&self) -> Source {
+        Source {
             namespace: self.identity.namespace.clone(),
             pool: None,
             pod: None,
@@ -72,10 +73,15 @@ impl Outbox {
             port: None,
             dp_rank: 0,
             node: Some(self.identity.node.clone()),
-            model: layout.model.clone(),
+            model: self.identity.model.clone(),
             engine: EngineKind::Kvbm,
-            block_size: layout.block_size,
-        })
+            block_size: self.identity.block_size,
+        }
+    }
+
+    /// Who the daemon is.
+    pub fn identity(&self) -> &Identity {
+        &self.identity
     }
 
     /// Starts over under `epoch`: `seq` restarts at 0 and pending events are dropped
@@ -163,15 +169,11 @@ impl Outbox {
     }
 
     /// Seals every pending event into envelopes of at most the configured keys each.
-    pub fn seal(&mut self, store: &BlockStore, out: &mut Vec<Envelope>) {
+    pub fn seal(&mut self, out: &mut Vec<Envelope>) {
         if self.pending.is_empty() {
             return;
         }
-        let Some(source) = self.source(store) else {
-            self.pending.clear();
-            self.pending_keys = 0;
-            return;
-        };
+        let source = self.source();
         let mut batch: Vec<KvEvent> = Vec::new();
         let mut keys = 0usize;
         self.pending_keys = 0;
@@ -203,10 +205,10 @@ impl Outbox {
     }
 
     /// Seals what is pending into `out`, then snapshots the published (key, tier) set as of the
-    /// end of the sealed stream; `None` before any layout is registered.
-    pub fn snapshot(&mut self, store: &BlockStore, out: &mut Vec<Envelope>) -> Option<Snapshot> {
-        self.seal(store, out);
-        let source = self.source(store)?;
+    /// end of the sealed stream.
+    pub fn snapshot(&mut self, out: &mut Vec<Envelope>) -> Snapshot {
+        self.seal(out);
+        let source = self.source();
         let mut host = Vec::new();
         let mut remote = Vec::new();
         for (key, tier) in self.holders.keys() {
@@ -220,12 +222,12 @@ impl Outbox {
             .filter(|(_, keys)| !keys.is_empty())
             .map(|(tier, keys)| TierKeys { tier, keys })
             .collect();
-        Some(Snapshot {
+        Snapshot {
             source,
             epoch: self.epoch,
             next_seq: self.next_seq,
             tiers,
-        })
+        }
     }
 }
 
@@ -237,12 +239,14 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::store::{Effect, Layout, LayoutId, StoreConfig};
+    use crate::store::{BlockStore, Effect, Layout, LayoutId, StoreConfig};
 
     fn identity() -> Identity {
         Identity {
             namespace: "ns".into(),
             node: "node-a".into(),
+            model: "m".into(),
+            block_size: 4,
         }
     }
 
@@ -303,7 +307,7 @@ mod tests {
         }
         publish(&mut outbox, fx);
         let mut out = Vec::new();
-        outbox.seal(&s, &mut out);
+        outbox.seal(&mut out);
         assert!(out.len() >= 2);
         for (i, e) in out.iter().enumerate() {
             assert_eq!((e.epoch, e.seq), (7, i as u64));
@@ -325,7 +329,7 @@ mod tests {
         s.offload(b, None, &block(1), &mut fx).unwrap();
         publish(&mut outbox, fx);
         let mut out = Vec::new();
-        outbox.seal(&s, &mut out);
+        outbox.seal(&mut out);
         let stored: usize = out
             .iter()
             .flat_map(|e| &e.events)
@@ -352,13 +356,13 @@ mod tests {
                 s.offload(layouts[*l], None, &block, &mut fx).unwrap();
                 publish(&mut outbox, fx);
                 if i == at {
-                    snap = outbox.snapshot(&s, &mut sealed);
+                    snap = Some(outbox.snapshot(&mut sealed));
                 }
                 if i % 5 == 0 {
-                    outbox.seal(&s, &mut sealed);
+                    outbox.seal(&mut sealed);
                 }
             }
-            outbox.seal(&s, &mut sealed);
+            outbox.seal(&mut sealed);
             let mut all: HashSet<(BlockKey, Tier)> = HashSet::new();
             for e in &sealed {
                 apply(&mut all, e);

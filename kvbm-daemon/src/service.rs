@@ -68,9 +68,6 @@ pub enum SnapshotError {
     /// The request names a model this node does not serve.
     #[error("this node serves no layout of model {0:?}")]
     UnknownModel(String),
-    /// No connector registered yet: the node has published nothing.
-    #[error("no layout registered yet")]
-    Empty,
     /// The daemon is shutting down.
     #[error("the block manager is shutting down")]
     Closing,
@@ -207,13 +204,22 @@ impl Service {
     /// Registers a connector's layout; with a remote tier, blocks above
     /// [`MAX_REMOTE_BLOCK_BYTES`] are refused.
     pub fn register(&self, layout: Layout) -> Result<LayoutId, ServiceError> {
+        let mut state = self.open()?;
+        let id = state.outbox.identity();
+        if layout.model != id.model || layout.block_size != id.block_size {
+            return Err(StoreError::Layout(crate::store::LayoutError::OtherModel {
+                model: id.model.clone(),
+                block_size: id.block_size,
+            })
+            .into());
+        }
         if self.redis.is_some() && layout.block_bytes > MAX_REMOTE_BLOCK_BYTES {
             return Err(StoreError::Layout(crate::store::LayoutError::Invalid(
                 "blocks above 512 MiB do not fit the remote tier (Redis's bulk limit)",
             ))
             .into());
         }
-        Ok(self.open()?.store.register(layout)?)
+        Ok(state.store.register(layout)?)
     }
 
     /// Stores a chain of blocks.
@@ -411,9 +417,8 @@ impl Service {
     /// Seals pending events into the sealed channel.
     pub fn seal(&self) {
         let mut state = self.lock();
-        let State { store, outbox, .. } = &mut *state;
         let mut out = Vec::new();
-        outbox.seal(store, &mut out);
+        state.outbox.seal(&mut out);
         for e in out {
             // The receiver lives as long as the publisher; after it stops nothing is sent.
             let _ = self.sealed_tx.send(e);
@@ -424,20 +429,26 @@ impl Service {
     /// the sealed channel first.
     pub fn snapshot(&self, model: Option<&str>) -> Result<Snapshot, SnapshotError> {
         let mut state = self.open().map_err(|_| SnapshotError::Closing)?;
-        let State { store, outbox, .. } = &mut *state;
-        let served = store.layouts().next().map(|(_, l)| l.model.clone());
-        match (&served, model) {
-            (None, _) => return Err(SnapshotError::Empty),
-            (Some(s), Some(m)) if s != m => return Err(SnapshotError::UnknownModel(m.into())),
-            _ => {}
+        if let Some(m) = model
+            && m != state.outbox.identity().model
+        {
+            return Err(SnapshotError::UnknownModel(m.into()));
         }
         let mut out = Vec::new();
-        let snapshot = outbox.snapshot(store, &mut out);
+        let snapshot = state.outbox.snapshot(&mut out);
         for e in out {
             let _ = self.sealed_tx.send(e);
         }
         self.wake.notify_one();
-        snapshot.ok_or(SnapshotError::Empty)
+        Ok(snapshot)
+    }
+
+    /// Announces a fresh start: a `Cleared` as the epoch's first envelope, so receivers drop
+    /// what a previous run of this node (one that crashed without its final `Cleared`) left
+    /// in their index, and fetch a snapshot.
+    pub fn announce_start(&self) {
+        self.lock().outbox.push(KvEvent::Cleared { tier: None });
+        self.wake.notify_one();
     }
 
     /// Starts a new epoch (after NATS reconnects: receivers then fetch snapshots).
@@ -453,12 +464,9 @@ impl Service {
             return;
         }
         state.closed = true;
-        if state.store.layouts().next().is_some() {
-            state.outbox.push(KvEvent::Cleared { tier: None });
-        }
-        let State { store, outbox, .. } = &mut *state;
+        state.outbox.push(KvEvent::Cleared { tier: None });
         let mut out = Vec::new();
-        outbox.seal(store, &mut out);
+        state.outbox.seal(&mut out);
         for e in out {
             let _ = self.sealed_tx.send(e);
         }
@@ -543,6 +551,8 @@ mod tests {
                 Identity {
                     namespace: "ns".into(),
                     node: "n".into(),
+                    model: "m".into(),
+                    block_size: 4,
                 },
                 1,
                 1024,
@@ -631,6 +641,9 @@ mod tests {
             s.snapshot(Some("other")).unwrap_err(),
             SnapshotError::UnknownModel("other".into())
         );
+        let mut other = layout();
+        other.model = "other".into();
+        assert!(s.register(other).is_err());
         let mut big = layout();
         big.block_bytes = MAX_REMOTE_BLOCK_BYTES + 1;
         assert!(s.register(big).is_err());

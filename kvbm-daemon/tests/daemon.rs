@@ -64,6 +64,10 @@ fn stack(host_bytes: u64) -> Stack {
         &[
             "--node".into(),
             "node-a".into(),
+            "--model".into(),
+            "qwen3".into(),
+            "--block-size".into(),
+            "16".into(),
             "--namespace".into(),
             "ns".into(),
             "--socket".into(),
@@ -449,4 +453,37 @@ async fn large_requests_run_in_chunks_and_keep_the_chain() {
             slot.key
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_start_announces_itself_with_cleared_and_answers_snapshots_at_once() {
+    let s = stack(4 * BLOCK);
+    let nats = async_nats::connect(&s.nats_url).await.unwrap();
+    // Before any connector: the node's (empty) snapshot is answered.
+    let req = SnapshotRequest {
+        model: Some("qwen3".into()),
+        ..SnapshotRequest::new(0)
+    };
+    // (The daemon subscribes once NATS is up, just after it starts serving: retry until then.)
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let reply = loop {
+        let asked = nats
+            .request(
+                "kvgate.snapshot.ns.node-a",
+                Bytes::from(req.encode().unwrap()),
+            )
+            .await;
+        match asked {
+            Ok(reply) => break reply,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "no snapshot reply: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let chunk = SnapshotChunk::decode(&reply.payload, 1 << 20).unwrap();
+    assert!(chunk.last && chunk.tiers.is_empty());
+    assert_eq!(chunk.source.model, "qwen3");
+    // The epoch's first envelope is a Cleared: published as soon as NATS is up.
+    assert!(chunk.next_seq >= 1, "the start-of-life Cleared was sealed");
 }

@@ -345,6 +345,10 @@ impl Stack {
                     strings(&[
                         "--node",
                         &k.node,
+                        "--model",
+                        &c.model,
+                        "--block-size",
+                        &c.block_size.to_string(),
                         "--namespace",
                         &c.namespace,
                         "--socket",
