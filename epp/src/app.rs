@@ -169,6 +169,7 @@ pub fn run(args: Args) -> Result<(), AppError> {
                 inflight: Arc::clone(&state.inflight),
                 datastore: Arc::clone(&state.datastore),
                 nodes: Arc::clone(&state.nodes),
+                model: Arc::from(args.model.as_str()),
                 clock: {
                     let p = Arc::clone(&picker);
                     Arc::new(move || p.now())

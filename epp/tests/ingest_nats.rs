@@ -300,6 +300,7 @@ impl Epp {
             inflight: Arc::clone(&self.inflight),
             datastore: Arc::clone(&self.datastore),
             nodes: Arc::new(NodeIds::default()),
+            model: Arc::from("m"),
             clock: Arc::new(move || Millis(epoch.elapsed().as_millis() as u64)),
         };
         NatsIngest::start(config, shared).await.unwrap()

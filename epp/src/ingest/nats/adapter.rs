@@ -67,6 +67,8 @@ pub struct Shared {
     pub datastore: Arc<Datastore>,
     /// Node names.
     pub nodes: Arc<NodeIds>,
+    /// The pool's served model (node sources of other models are ignored).
+    pub model: Arc<str>,
     /// The clock.
     pub clock: Clock,
 }
@@ -82,6 +84,7 @@ impl Shared {
         Resolver {
             datastore: &self.datastore,
             nodes: &self.nodes,
+            model: &self.model,
         }
     }
 }

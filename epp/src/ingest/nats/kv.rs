@@ -404,6 +404,7 @@ mod tests {
         let r = Resolver {
             datastore: &ds,
             nodes: &nodes,
+            model: "m",
         };
         let (index, stats, mut kv) = ingest();
         // Unknown: counted, no request.
@@ -470,6 +471,7 @@ mod tests {
         let r = Resolver {
             datastore: &ds,
             nodes: &nodes,
+            model: "m",
         };
         let (index, stats, mut kv) = ingest();
         let sample = |pod: &str| LoadSample {

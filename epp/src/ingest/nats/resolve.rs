@@ -1,6 +1,8 @@
 //! Who an envelope's [`Source`] is in this EPP: a live endpoint (by pod name and port, else by
-//! IP and port) or a node discovery knows. Sources discovery does not know resolve to `None`;
-//! the caller counts them and tries again later.
+//! IP and port) or a node discovery knows, whose block manager serves this pool's model (a node
+//! may run one block manager per model; the index keeps one node holder, for this model).
+//! Sources discovery does not know resolve to `None`; the caller counts them and tries again
+//! later.
 
 use std::net::IpAddr;
 
@@ -17,12 +19,17 @@ pub struct Resolver<'a> {
     pub datastore: &'a Datastore,
     /// Node names.
     pub nodes: &'a NodeIds,
+    /// The pool's served model: node sources of other models are not this EPP's.
+    pub model: &'a str,
 }
 
 impl Resolver<'_> {
     /// The holder `source` publishes for, if discovery knows it.
     pub fn holder(&self, source: &Source) -> Option<Holder> {
         if source.pod.is_none() && source.ip.is_none() {
+            if source.model != self.model {
+                return None;
+            }
             return source
                 .node
                 .as_deref()
@@ -81,6 +88,7 @@ mod tests {
         let r = Resolver {
             datastore: &ds,
             nodes: &nodes,
+            model: "m",
         };
         let want = Some(Holder::Endpoint(id));
         assert_eq!(r.holder(&source(Some("pod-a"), None, Some(8000))), want);
@@ -96,5 +104,8 @@ mod tests {
         assert_eq!(r.holder(&source(None, None, None)), None, "unknown node");
         let n = nodes.id("node-a");
         assert_eq!(r.holder(&source(None, None, None)), Some(Holder::Node(n)));
+        let mut other = source(None, None, None);
+        other.model = "another-pool's-model".into();
+        assert_eq!(r.holder(&other), None, "another model's block manager");
     }
 }
