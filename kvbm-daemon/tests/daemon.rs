@@ -319,11 +319,24 @@ async fn offload_demote_onboard_publish_and_snapshot() {
             .expect("Cleared within 5 s")
             .unwrap();
         let e = Envelope::decode(&msg.payload, &Default::default()).unwrap();
-        if e.events.contains(&KvEvent::Cleared { tier: None }) {
+        // (seq 0 is the start-of-life Cleared.)
+        if e.seq > 0 && e.events.contains(&KvEvent::Cleared { tier: None }) {
             break;
         }
     }
-    drop(kvbm);
+    let mut kvbm = kvbm;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        if let Some(status) = kvbm.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kvgate-kvbm did not exit on SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "exit status {status}");
     assert!(!s.socket.exists(), "socket removed on shutdown");
 }
 
