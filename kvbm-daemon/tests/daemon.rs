@@ -151,6 +151,19 @@ fn metric(text: &str, line_prefix: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {line_prefix} in metrics"))
 }
 
+/// The next envelope on `events`, waiting until `deadline` at most.
+async fn next_envelope(
+    events: &mut async_nats::Subscriber,
+    deadline: Instant,
+    what: &str,
+) -> Envelope {
+    let msg = tokio::time::timeout_at(deadline.into(), events.next())
+        .await
+        .unwrap_or_else(|_| panic!("{what} in time"))
+        .unwrap();
+    Envelope::decode(&msg.payload, &Default::default()).unwrap()
+}
+
 /// Applies envelopes to a resident set, checking they are contiguous.
 fn apply(resident: &mut HashSet<(u64, Tier)>, seq: &mut Option<u64>, e: &Envelope) {
     if let Some(s) = seq {
@@ -196,11 +209,7 @@ async fn offload_demote_onboard_publish_and_snapshot() {
     let mut first: Option<Envelope> = None;
     let deadline = Instant::now() + Duration::from_secs(5);
     while resident.len() < 6 {
-        let msg = tokio::time::timeout_at(deadline.into(), events.next())
-            .await
-            .expect("envelopes within 5 s")
-            .unwrap();
-        let e = Envelope::decode(&msg.payload, &Default::default()).unwrap();
+        let e = next_envelope(&mut events, deadline, "envelopes").await;
         apply(&mut resident, &mut seq, &e);
         first.get_or_insert(e);
     }
@@ -314,11 +323,7 @@ async fn offload_demote_onboard_publish_and_snapshot() {
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let msg = tokio::time::timeout_at(deadline.into(), events.next())
-            .await
-            .expect("Cleared within 5 s")
-            .unwrap();
-        let e = Envelope::decode(&msg.payload, &Default::default()).unwrap();
+        let e = next_envelope(&mut events, deadline, "the final Cleared").await;
         // (seq 0 is the start-of-life Cleared.)
         if e.seq > 0 && e.events.contains(&KvEvent::Cleared { tier: None }) {
             break;
@@ -441,11 +446,7 @@ async fn large_requests_run_in_chunks_and_keep_the_chain() {
     let mut chain = vec![99u64];
     let deadline = Instant::now() + Duration::from_secs(5);
     while chain.len() < 21 {
-        let msg = tokio::time::timeout_at(deadline.into(), events.next())
-            .await
-            .expect("envelopes within 5 s")
-            .unwrap();
-        let e = Envelope::decode(&msg.payload, &Default::default()).unwrap();
+        let e = next_envelope(&mut events, deadline, "envelopes").await;
         for ev in e.events {
             if let KvEvent::Stored { keys, parent, .. } = ev {
                 assert_eq!(parent.map(|p| p.0), chain.last().copied(), "chained");

@@ -197,6 +197,17 @@ impl Run {
     }
 }
 
+/// The event of one block leaving `tier`.
+fn removed(id: BlockId, tier: Tier) -> Effect {
+    Effect::Publish {
+        layout: id.layout,
+        event: KvEvent::Removed {
+            keys: vec![id.key],
+            tier,
+        },
+    }
+}
+
 impl BlockStore {
     /// An empty store.
     pub fn new(config: StoreConfig) -> Self {
@@ -327,13 +338,7 @@ impl BlockStore {
                 return;
             };
             self.counters.host_evicted += 1;
-            effects.push(Effect::Publish {
-                layout: victim.layout,
-                event: KvEvent::Removed {
-                    keys: vec![victim.key],
-                    tier: Tier::Host,
-                },
-            });
+            effects.push(removed(victim, Tier::Host));
             self.demote(victim, gone.bytes, gone.value, effects);
         }
     }
@@ -370,13 +375,7 @@ impl BlockStore {
             self.remote.remove(&victim);
             self.counters.remote_evicted += 1;
             effects.push(Effect::RemoteDelete { id: victim });
-            effects.push(Effect::Publish {
-                layout: victim.layout,
-                event: KvEvent::Removed {
-                    keys: vec![victim.key],
-                    tier: Tier::Remote,
-                },
-            });
+            effects.push(removed(victim, Tier::Remote));
         }
     }
 
@@ -475,13 +474,7 @@ impl BlockStore {
     pub fn remote_lost(&mut self, id: BlockId, effects: &mut Vec<Effect>) {
         if self.remote.remove(&id).is_some() {
             self.counters.remote_lost += 1;
-            effects.push(Effect::Publish {
-                layout: id.layout,
-                event: KvEvent::Removed {
-                    keys: vec![id.key],
-                    tier: Tier::Remote,
-                },
-            });
+            effects.push(removed(id, Tier::Remote));
         }
     }
 
