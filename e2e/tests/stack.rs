@@ -626,6 +626,7 @@ fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
         block_size: stack.config().block_size,
         block_bytes: BLOCK,
         shard: 0,
+        shards: 1,
     };
     let onboarded = runtime.block_on(async {
         let mut c = kvgate_kvbm::client::Client::connect(&socket, layout.clone(), 32 * BLOCK)

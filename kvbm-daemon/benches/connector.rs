@@ -89,6 +89,7 @@ async fn round_trip(socket: &Path, block: u64, blocks: u64) -> (f64, f64, u32) {
         block_size: 16,
         block_bytes: block,
         shard: 0,
+        shards: 1,
     };
     let mut c = Client::connect(socket, layout, PER_REQUEST * block)
         .await

@@ -5,11 +5,12 @@
 //! no pool or pod, the `model` and `block_size` it was started for (every layout must match),
 //! one random epoch per start, `seq` contiguous from 0.
 //!
-//! Several layouts (tensor-parallel shards, dtypes) can hold the same key. The receiver keeps a
-//! set of (key, tier), so the outbox counts holders per (key, tier) and publishes `Stored` when
-//! the first layout gains one and `Removed` when the last loses it. [`Outbox::snapshot`] seals
-//! what is pending first and reports the counted set, so it is exactly the effect of the
-//! envelopes below its `next_seq`.
+//! Several layouts can hold the same key: the tensor-parallel shards of one layout *group*
+//! (a block is usable only with every shard), and groups of other dtypes. The receiver keeps a
+//! set of (key, tier), so the outbox counts shards per (key, tier, group) and complete groups
+//! per (key, tier): it publishes `Stored` when the first group becomes complete and `Removed`
+//! when the last stops being so. [`Outbox::snapshot`] seals what is pending first and reports
+//! the counted set, so it is exactly the effect of the envelopes below its `next_seq`.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -40,7 +41,30 @@ pub struct Outbox {
     next_seq: u64,
     pending: Vec<KvEvent>,
     pending_keys: usize,
+    /// Per (key, tier, layout group): how many of the group's shards hold the key.
+    shard_counts: HashMap<(BlockKey, Tier, u64), u32>,
+    /// Per (key, tier): how many layout groups hold every shard of the key (published if > 0).
     holders: HashMap<(BlockKey, Tier), u32>,
+}
+
+/// The layout group an event comes from: all tensor-parallel shards of one layout
+/// ([`Layout::group`](crate::store::Layout::group)), and how many there are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Group {
+    /// The group's fingerprint.
+    pub id: u64,
+    /// Its shard count.
+    pub shards: u32,
+}
+
+impl Group {
+    /// The group of `layout`.
+    pub fn of(layout: &crate::store::Layout) -> Self {
+        Self {
+            id: layout.group(),
+            shards: layout.shards.max(1),
+        }
+    }
 }
 
 impl Outbox {
@@ -54,6 +78,7 @@ impl Outbox {
             next_seq: 0,
             pending: Vec::new(),
             pending_keys: 0,
+            shard_counts: HashMap::new(),
             holders: HashMap::new(),
         }
     }
@@ -93,8 +118,10 @@ impl Outbox {
         self.pending_keys = 0;
     }
 
-    /// Queues the part of a layout's event that changes the (key, tier) set.
-    pub fn push(&mut self, event: KvEvent) {
+    /// Queues the part of a layout's event that changes the published (key, tier) set: a key
+    /// is published in a tier once every shard of it is held there under some layout group,
+    /// and removed when no group holds all its shards any more.
+    pub fn push(&mut self, group: Group, event: KvEvent) {
         match event {
             KvEvent::Stored {
                 keys,
@@ -107,15 +134,21 @@ impl Outbox {
                 let new: Vec<BlockKey> = keys
                     .into_iter()
                     .filter(|k| {
-                        let c = self.holders.entry((*k, tier)).or_insert(0);
+                        let c = self.shard_counts.entry((*k, tier, group.id)).or_insert(0);
                         *c += 1;
-                        *c == 1
+                        if *c != group.shards {
+                            return false;
+                        }
+                        let h = self.holders.entry((*k, tier)).or_insert(0);
+                        *h += 1;
+                        *h == 1
                     })
                     .collect();
                 if new.is_empty() {
                     return;
                 }
-                // A run with keys already held elsewhere loses its chain: no parent then.
+                // A run part of which was already published (or is not whole yet) loses its
+                // chain: no parent then.
                 let whole = new.len() == n;
                 let per_block = token_count / u32::try_from(n.max(1)).unwrap_or(u32::MAX);
                 self.pending_keys += new.len();
@@ -130,16 +163,30 @@ impl Outbox {
             KvEvent::Removed { keys, tier } => {
                 let gone: Vec<BlockKey> = keys
                     .into_iter()
-                    .filter(|k| match self.holders.entry((*k, tier)) {
-                        Entry::Occupied(mut e) if *e.get() > 1 => {
-                            *e.get_mut() -= 1;
-                            false
+                    .filter(|k| {
+                        let Entry::Occupied(mut c) = self.shard_counts.entry((*k, tier, group.id))
+                        else {
+                            return false;
+                        };
+                        let was_complete = *c.get() == group.shards;
+                        *c.get_mut() -= 1;
+                        if *c.get() == 0 {
+                            c.remove();
                         }
-                        Entry::Occupied(e) => {
-                            e.remove();
-                            true
+                        if !was_complete {
+                            return false;
                         }
-                        Entry::Vacant(_) => false,
+                        match self.holders.entry((*k, tier)) {
+                            Entry::Occupied(mut h) if *h.get() > 1 => {
+                                *h.get_mut() -= 1;
+                                false
+                            }
+                            Entry::Occupied(h) => {
+                                h.remove();
+                                true
+                            }
+                            Entry::Vacant(_) => false,
+                        }
                     })
                     .collect();
                 if !gone.is_empty() {
@@ -147,15 +194,24 @@ impl Outbox {
                     self.pending.push(KvEvent::Removed { keys: gone, tier });
                 }
             }
-            KvEvent::Cleared { tier } => {
-                match tier {
-                    None => self.holders.clear(),
-                    Some(t) => self.holders.retain(|(_, held), _| *held != t),
-                }
-                self.pending.push(KvEvent::Cleared { tier });
-            }
+            KvEvent::Cleared { tier } => self.clear(tier),
             KvEvent::Unknown => {}
         }
+    }
+
+    /// Queues a `Cleared` of `tier` (all tiers when `None`) and forgets what it covered.
+    pub fn clear(&mut self, tier: Option<Tier>) {
+        match tier {
+            None => {
+                self.holders.clear();
+                self.shard_counts.clear();
+            }
+            Some(t) => {
+                self.holders.retain(|(_, held), _| *held != t);
+                self.shard_counts.retain(|(_, held, _), _| *held != t);
+            }
+        }
+        self.pending.push(KvEvent::Cleared { tier });
     }
 
     /// Events waiting to be sealed.
@@ -250,29 +306,32 @@ mod tests {
         }
     }
 
-    /// A store of 4 host and 8 remote blocks with two shards of one model.
-    fn store() -> (BlockStore, [LayoutId; 2]) {
+    /// A store of 4 host and 8 remote blocks with three layouts of one model: the two
+    /// tensor-parallel shards of an fp8 layout, and a whole bf16 one.
+    fn store() -> (BlockStore, [LayoutId; 3]) {
         let mut s = BlockStore::new(StoreConfig {
             host_bytes: 4 * 8,
             remote_bytes: 8 * 8,
         });
-        let layout = |shard| Layout {
+        let layout = |dtype: &str, shard, shards| Layout {
             model: "m".into(),
-            dtype: "fp8".into(),
+            dtype: dtype.into(),
             layers: 2,
             block_size: 4,
             block_bytes: 8,
             shard,
+            shards,
         };
-        let a = s.register(layout(0)).unwrap();
-        let b = s.register(layout(1)).unwrap();
-        (s, [a, b])
+        let a0 = s.register(layout("fp8", 0, 2)).unwrap();
+        let a1 = s.register(layout("fp8", 1, 2)).unwrap();
+        let b = s.register(layout("bf16", 0, 1)).unwrap();
+        (s, [a0, a1, b])
     }
 
-    fn publish(outbox: &mut Outbox, fx: Vec<Effect>) {
+    fn publish(store: &BlockStore, outbox: &mut Outbox, fx: Vec<Effect>) {
         for e in fx {
-            if let Effect::Publish { event, .. } = e {
-                outbox.push(event);
+            if let Effect::Publish { layout, event } = e {
+                outbox.push(Group::of(store.layout(layout).unwrap()), event);
             }
         }
     }
@@ -296,16 +355,37 @@ mod tests {
         }
     }
 
+    /// What the node can serve: keys whose every fp8 shard is held in a tier, or whose bf16
+    /// block is.
+    fn usable(s: &BlockStore, [a0, a1, b]: [LayoutId; 3]) -> HashSet<(BlockKey, Tier)> {
+        let mut out = HashSet::new();
+        for tier in [Tier::Host, Tier::Remote] {
+            let h1: HashSet<BlockKey> = s.resident(a1, tier).into_iter().collect();
+            out.extend(
+                s.resident(a0, tier)
+                    .into_iter()
+                    .filter(|k| h1.contains(k))
+                    .map(|k| (k, tier)),
+            );
+            out.extend(s.resident(b, tier).into_iter().map(|k| (k, tier)));
+        }
+        out
+    }
+
+    fn offload(s: &mut BlockStore, outbox: &mut Outbox, l: LayoutId, k: u64) {
+        let mut fx = Vec::new();
+        let block = [(BlockKey(k), Bytes::from(vec![0u8; 8]))];
+        s.offload(l, None, &block, &mut fx).unwrap();
+        publish(s, outbox, fx);
+    }
+
     #[test]
     fn envelopes_are_bounded_contiguous_and_name_the_node() {
-        let (mut s, [l, _]) = store();
+        let (mut s, [_, _, b]) = store();
         let mut outbox = Outbox::new(identity(), 7, 3);
-        let mut fx = Vec::new();
         for k in 0..6u64 {
-            let block = [(BlockKey(k), Bytes::from(vec![0u8; 8]))];
-            s.offload(l, None, &block, &mut fx).unwrap();
+            offload(&mut s, &mut outbox, b, k);
         }
-        publish(&mut outbox, fx);
         let mut out = Vec::new();
         outbox.seal(&mut out);
         assert!(out.len() >= 2);
@@ -320,30 +400,34 @@ mod tests {
     }
 
     #[test]
-    fn a_key_two_shards_hold_is_stored_once_and_removed_with_the_last() {
-        let (mut s, [a, b]) = store();
+    fn a_block_is_published_once_every_shard_holds_it() {
+        let (mut s, [a0, a1, _]) = store();
         let mut outbox = Outbox::new(identity(), 1, 100);
-        let block = |k| [(BlockKey(k), Bytes::from(vec![0u8; 8]))];
-        let mut fx = Vec::new();
-        s.offload(a, None, &block(1), &mut fx).unwrap();
-        s.offload(b, None, &block(1), &mut fx).unwrap();
-        publish(&mut outbox, fx);
-        let mut out = Vec::new();
-        outbox.seal(&mut out);
-        let stored: usize = out
-            .iter()
-            .flat_map(|e| &e.events)
-            .map(KvEvent::key_count)
-            .sum();
-        assert_eq!(stored, 1);
+        let keys = |outbox: &mut Outbox| {
+            let mut out = Vec::new();
+            outbox.seal(&mut out);
+            out.iter()
+                .flat_map(|e| &e.events)
+                .map(KvEvent::key_count)
+                .sum::<usize>()
+        };
+        offload(&mut s, &mut outbox, a0, 1);
+        assert_eq!(
+            keys(&mut outbox),
+            0,
+            "one shard of two is not a usable block"
+        );
+        offload(&mut s, &mut outbox, a1, 1);
+        assert_eq!(keys(&mut outbox), 1);
     }
 
     proptest! {
         /// Applying the envelopes below a snapshot's `next_seq` gives exactly the snapshot, and
-        /// applying them all gives the store's residency, with two shards sharing keys.
+        /// applying them all gives what the store can serve: every shard of a block, or a
+        /// whole block of another layout.
         #[test]
         fn snapshots_and_streams_match_the_store(
-            ops in proptest::collection::vec((0usize..2, 0u64..12), 1..80),
+            ops in proptest::collection::vec((0usize..3, 0u64..12), 1..80),
             at in 0usize..80,
         ) {
             let (mut s, layouts) = store();
@@ -351,10 +435,7 @@ mod tests {
             let mut sealed = Vec::new();
             let mut snap = None;
             for (i, (l, k)) in ops.iter().enumerate() {
-                let mut fx = Vec::new();
-                let block = [(BlockKey(*k), Bytes::from(vec![0u8; 8]))];
-                s.offload(layouts[*l], None, &block, &mut fx).unwrap();
-                publish(&mut outbox, fx);
+                offload(&mut s, &mut outbox, layouts[*l], *k);
                 if i == at {
                     snap = Some(outbox.snapshot(&mut sealed));
                 }
@@ -367,13 +448,7 @@ mod tests {
             for e in &sealed {
                 apply(&mut all, e);
             }
-            let mut want: HashSet<(BlockKey, Tier)> = HashSet::new();
-            for l in layouts {
-                for tier in [Tier::Host, Tier::Remote] {
-                    want.extend(s.resident(l, tier).into_iter().map(|k| (k, tier)));
-                }
-            }
-            prop_assert_eq!(&all, &want);
+            prop_assert_eq!(&all, &usable(&s, layouts));
             let Some(snap) = snap else { return Ok(()); };
             let mut upto: HashSet<(BlockKey, Tier)> = HashSet::new();
             for e in sealed.iter().filter(|e| e.seq < snap.next_seq) {

@@ -215,6 +215,7 @@ mod tests {
             block_size: 4,
             block_bytes: 8,
             shard: 0,
+            shards: 1,
         }
     }
 

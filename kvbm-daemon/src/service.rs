@@ -20,11 +20,11 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use bytes::Bytes;
 use kv_events::snapshot::Snapshot;
-use kv_events::{BlockKey, Envelope, KvEvent, Tier};
+use kv_events::{BlockKey, Envelope, Tier};
 use tokio::sync::{Notify, mpsc};
 
 use crate::metrics::Metrics;
-use crate::outbox::Outbox;
+use crate::outbox::{Group, Outbox};
 use crate::remote::block_name;
 use crate::remote::redis::Redis;
 use crate::store::{
@@ -310,9 +310,11 @@ impl Service {
         let mut dropped = Vec::new();
         for effect in effects {
             match effect {
-                Effect::Publish { event, .. } => {
-                    state.outbox.push(event);
-                    published = true;
+                Effect::Publish { layout, event } => {
+                    if let Some(group) = state.store.layout(layout).map(Group::of) {
+                        state.outbox.push(group, event);
+                        published = true;
+                    }
                 }
                 Effect::RemotePut { id, data } => {
                     if let Some(name) = name_of(&state.store, id)
@@ -333,9 +335,10 @@ impl Service {
         for id in dropped {
             let mut effects = Vec::new();
             state.store.remote_lost(id, &mut effects);
+            let group = state.store.layout(id.layout).map(Group::of);
             for effect in effects {
-                if let Effect::Publish { event, .. } = effect {
-                    state.outbox.push(event);
+                if let (Effect::Publish { event, .. }, Some(group)) = (effect, group) {
+                    state.outbox.push(group, event);
                     published = true;
                 }
             }
@@ -447,7 +450,7 @@ impl Service {
     /// what a previous run of this node (one that crashed without its final `Cleared`) left
     /// in their index, and fetch a snapshot.
     pub fn announce_start(&self) {
-        self.lock().outbox.push(KvEvent::Cleared { tier: None });
+        self.lock().outbox.clear(None);
         self.wake.notify_one();
     }
 
@@ -464,7 +467,7 @@ impl Service {
             return;
         }
         state.closed = true;
-        state.outbox.push(KvEvent::Cleared { tier: None });
+        state.outbox.clear(None);
         let mut out = Vec::new();
         state.outbox.seal(&mut out);
         for e in out {
@@ -518,6 +521,8 @@ pub async fn remote_writer(
 mod tests {
     use std::time::Duration;
 
+    use kv_events::KvEvent;
+
     use super::*;
     use crate::outbox::Identity;
     use crate::remote::redis::RedisConfig;
@@ -533,6 +538,7 @@ mod tests {
             block_size: 4,
             block_bytes: B,
             shard: 0,
+            shards: 1,
         }
     }
 

@@ -106,6 +106,7 @@ fn layout() -> Layout {
         block_size: 16,
         block_bytes: BLOCK,
         shard: 0,
+        shards: 1,
     }
 }
 

@@ -27,7 +27,18 @@ pub struct Layout {
     /// its own slice of every block): shards of one block are different blocks here.
     #[serde(default)]
     pub shard: u32,
+    /// How many shards a block has (the tensor-parallel size): a block is usable, and
+    /// published, once every shard of it is held.
+    #[serde(default = "one")]
+    pub shards: u32,
 }
+
+const fn one() -> u32 {
+    1
+}
+
+/// The most tensor-parallel shards of a layout.
+pub const MAX_SHARDS: u32 = 1024;
 
 /// The most layouts one daemon holds (models × dtypes on one node).
 pub const MAX_LAYOUTS: usize = 64;
@@ -78,7 +89,18 @@ impl Layout {
         buf.extend_from_slice(&self.block_size.to_le_bytes());
         buf.extend_from_slice(&self.block_bytes.to_le_bytes());
         buf.extend_from_slice(&self.shard.to_le_bytes());
+        buf.extend_from_slice(&self.shards.to_le_bytes());
         xxhash_rust::xxh3::xxh3_64(&buf)
+    }
+
+    /// The fingerprint of the layout's whole block: every field but `shard`, so all shards of
+    /// one block share it.
+    pub fn group(&self) -> u64 {
+        Layout {
+            shard: 0,
+            ..self.clone()
+        }
+        .fingerprint()
     }
 
     /// Checks the fields a connector could get wrong.
@@ -93,6 +115,11 @@ impl Layout {
         if self.layers == 0 || self.block_size == 0 || self.block_bytes == 0 {
             return Err(LayoutError::Invalid(
                 "layers, block_size and block_bytes must be positive",
+            ));
+        }
+        if self.shards == 0 || self.shards > MAX_SHARDS || self.shard >= self.shards {
+            return Err(LayoutError::Invalid(
+                "shards must be 1 to 1024, and shard below it",
             ));
         }
         Ok(())
@@ -151,6 +178,7 @@ mod tests {
             block_size: 32,
             block_bytes: 64,
             shard,
+            shards: 1024,
         }
     }
 
@@ -193,6 +221,11 @@ mod tests {
         let a = layout(0);
         assert_eq!(a.fingerprint(), layout(0).fingerprint());
         assert_ne!(a.fingerprint(), layout(1).fingerprint(), "shards differ");
+        assert_eq!(
+            a.group(),
+            layout(1).group(),
+            "one block's shards share a group"
+        );
         let mut b = layout(0);
         b.layers += 1;
         assert_ne!(a.fingerprint(), b.fingerprint());
@@ -206,6 +239,9 @@ mod tests {
     #[test]
     fn bad_layouts_are_refused() {
         let mut bad = layout(0);
+        bad.shard = bad.shards;
+        assert!(bad.validate().is_err());
+        bad = layout(0);
         bad.model = String::new();
         assert!(bad.validate().is_err());
         bad = layout(0);

@@ -22,7 +22,7 @@ use bytes::Bytes;
 use kv_events::{BlockKey, KvEvent, Tier};
 
 use layout::Layouts;
-pub use layout::{Layout, LayoutError, LayoutId, MAX_LAYOUTS, MAX_NAME_BYTES};
+pub use layout::{Layout, LayoutError, LayoutId, MAX_LAYOUTS, MAX_NAME_BYTES, MAX_SHARDS};
 use tier::TierSet;
 
 /// A block's address: its layout and its kvgate key.

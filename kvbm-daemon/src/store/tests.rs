@@ -14,6 +14,7 @@ fn layout(shard: u32, block_bytes: u64) -> Layout {
         block_size: 4,
         block_bytes,
         shard,
+        shards: 2,
     }
 }
 
