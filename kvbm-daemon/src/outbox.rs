@@ -83,11 +83,6 @@ impl Outbox {
         }
     }
 
-    /// The epoch.
-    pub const fn epoch(&self) -> u64 {
-        self.epoch
-    }
-
     /// The envelope source.
     pub fn source(&self) -> Source {
         Source {
