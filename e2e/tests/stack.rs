@@ -647,7 +647,7 @@ fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
         c.onboard(slots).await.unwrap()
     });
     assert_eq!(
-        onboarded,
+        (onboarded.blocks, onboarded.host, onboarded.remote),
         (32, 16, 16),
         "16 from host memory, 16 back from Redis"
     );
@@ -657,10 +657,12 @@ fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
         || residencies(&stack) >= before + 32.0,
     );
     let page = stack.kvbm_metrics().unwrap();
-    assert_eq!(
-        probe::metric_sum(&page, "kvgate_kvbm_onboarded_remote_blocks_total"),
-        Some(16.0)
-    );
+    let remote_onboards = page.lines().find_map(|l| {
+        l.strip_prefix("kvgate_kvbm_onboarded_blocks_total{tier=\"remote\"} ")?
+            .parse::<f64>()
+            .ok()
+    });
+    assert_eq!(remote_onboards, Some(16.0), "{page}");
     // Requests still flow through Envoy and the EPP with the block manager's node listed.
     let r = send(&stack, &chat("hello", "q", 4, false), &[]);
     assert!(r.ok(), "{r:?}");

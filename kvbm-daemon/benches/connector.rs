@@ -118,7 +118,8 @@ async fn round_trip(socket: &Path, block: u64, blocks: u64) -> (f64, f64, u32) {
     let t = Instant::now();
     let mut remote = 0;
     for r in 0..blocks / PER_REQUEST {
-        let (n, _, from_remote) = c.onboard(slots(r * PER_REQUEST)).await.unwrap();
+        let got = c.onboard(slots(r * PER_REQUEST)).await.unwrap();
+        let (n, from_remote) = (got.blocks, got.remote);
         assert_eq!(u64::from(n), PER_REQUEST, "request {r}");
         remote += from_remote;
     }

@@ -1,7 +1,8 @@
-//! Wiring: the store and its service, the connector socket, the remote writer, the NATS
-//! publisher and snapshot responder, and the metrics/health server, until SIGTERM or SIGINT.
-//! On the way out the daemon refuses every request and snapshot, then publishes one `Cleared`
-//! as its last envelope: its host tier goes with it.
+//! Wiring: the store and its service, the connector socket, the disk and remote writers, the
+//! NATS publisher and snapshot responder, and the metrics/health server, until SIGTERM or
+//! SIGINT. On the way out the daemon refuses every request and snapshot, then publishes one
+//! `Cleared` as its last envelope: its tiers go with it (the disk directory is emptied at
+//! the next start, whose first envelope is a `Cleared` too).
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -18,11 +19,12 @@ use tokio::net::UnixListener;
 use tokio::sync::watch;
 
 use crate::args::Args;
+use crate::disk::{DirectIo, DiskDir, DiskError};
 use crate::metrics::Metrics;
 use crate::outbox::{Identity, Outbox};
 use crate::remote::redis::{Redis, RedisConfig, RemoteError, redact};
 use crate::server::{self, ServerConfig};
-use crate::service::{self, RemoteQueue, Service};
+use crate::service::{self, Backends, QueueBounds, Service};
 use crate::store::{BlockStore, StoreConfig};
 
 /// Why the daemon stopped with an error.
@@ -54,6 +56,12 @@ pub enum AppError {
     /// The remote URL was refused.
     #[error(transparent)]
     Remote(#[from] RemoteError),
+    /// The disk directory could not be opened (or another daemon holds it).
+    #[error("disk tier: {0}")]
+    Disk(#[from] DiskError),
+    /// The disk writer thread could not start.
+    #[error("starting the disk writer: {0}")]
+    DiskWriter(#[source] std::io::Error),
     /// NATS could not be set up.
     #[error("NATS: {0}")]
     Nats(String),
@@ -62,7 +70,9 @@ pub enum AppError {
 impl cli_support::ExitStatus for AppError {
     fn exit_code(&self) -> u8 {
         match self {
-            AppError::Start(_) | AppError::Remote(RemoteError::Url(_)) => cli_support::EXIT_CONFIG,
+            AppError::Start(_)
+            | AppError::Remote(RemoteError::Url(_))
+            | AppError::Disk(DiskError::Locked { .. }) => cli_support::EXIT_CONFIG,
             _ => 1,
         }
     }
@@ -130,8 +140,26 @@ async fn serve(args: Args) -> Result<(), AppError> {
     } else {
         0
     };
+    let disk = match &args.disk_dir {
+        None => None,
+        Some(dir) => {
+            let mode = if args.disk_direct_io {
+                DirectIo::Auto
+            } else {
+                DirectIo::Off
+            };
+            let disk = DiskDir::open(dir, mode)?;
+            tracing::info!(
+                dir = %dir.display(), direct_io = disk.direct(), removed = disk.removed_at_open(),
+                "disk tier ready (blocks a previous run left are removed: they are unindexed)"
+            );
+            Some(Arc::new(disk))
+        }
+    };
+    let disk_bytes = if disk.is_some() { args.disk_bytes } else { 0 };
     let store = BlockStore::new(StoreConfig {
         host_bytes: args.host_bytes,
+        disk_bytes,
         remote_bytes,
     });
     let epoch = kv_bridge::epoch::random_epoch();
@@ -165,14 +193,26 @@ async fn serve(args: Args) -> Result<(), AppError> {
         }
     };
     let metrics = Arc::new(Metrics::default());
+    metrics
+        .disk_direct_io
+        .store(disk.as_ref().is_some_and(|d| d.direct()), Ordering::Relaxed);
     let parts = Service::start(
         store,
         outbox,
-        redis.clone(),
-        RemoteQueue {
-            ops: args.remote_queue,
-            bytes: args.remote_queue_bytes,
+        Backends {
+            disk: disk.clone(),
+            redis: redis.clone(),
         },
+        [
+            QueueBounds {
+                ops: args.disk_queue,
+                bytes: args.disk_queue_bytes,
+            },
+            QueueBounds {
+                ops: args.remote_queue,
+                bytes: args.remote_queue_bytes,
+            },
+        ],
         Arc::clone(&metrics),
     );
     let service = parts.service;
@@ -180,6 +220,13 @@ async fn serve(args: Args) -> Result<(), AppError> {
     service.announce_start();
     if let (Some(redis), Some(rx)) = (redis, parts.remote) {
         tokio::spawn(service::remote_writer(Arc::clone(&service), redis, rx));
+    }
+    if let (Some(disk), Some(rx)) = (disk, parts.disk) {
+        let service = Arc::clone(&service);
+        std::thread::Builder::new()
+            .name("kvbm-disk".into())
+            .spawn(move || service::disk_writer(&service, &disk, rx))
+            .map_err(AppError::DiskWriter)?;
     }
 
     let (listener, inode) = bind_socket(&args.socket)?;
@@ -194,7 +241,7 @@ async fn serve(args: Args) -> Result<(), AppError> {
     let snapshot_subject = subject::node_snapshot(&args.namespace, &args.node);
     tracing::info!(
         socket = %args.socket.display(), %addr, events = %events_subject,
-        snapshots = %snapshot_subject, epoch, host_bytes = args.host_bytes, remote_bytes,
+        snapshots = %snapshot_subject, epoch, host_bytes = args.host_bytes, disk_bytes, remote_bytes,
         "kvgate-kvbm serving"
     );
 

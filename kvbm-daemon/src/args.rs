@@ -2,9 +2,9 @@
 
 use std::path::PathBuf;
 
-/// kvgate KV block manager (node daemon): keeps KV blocks that engines offload in host memory
-/// and a remote store (Redis), gives them back on request, and publishes what it holds so the
-/// endpoint picker can route to the pods of this node.
+/// kvgate KV block manager (node daemon): keeps KV blocks that engines offload in host memory,
+/// on local disk and in a remote store (Redis), gives them back on request, and publishes what
+/// it holds so the endpoint picker can route to the pods of this node.
 ///
 /// Engine connectors connect to `--socket`, pass a shared-memory segment and exchange control
 /// messages; block bytes move through the segment only.
@@ -24,9 +24,27 @@ pub struct Args {
     /// Host-memory tier (G2) capacity in bytes; 0 disables it.
     #[arg(long, default_value_t = 8 << 30)]
     pub host_bytes: u64,
-    /// Directory for the disk tier (G3). Not in this build: giving it is an error.
+    /// Directory for the disk tier (G3), one file per block; disabled when absent. The
+    /// daemon locks it, and empties it of block files at start (they are not indexed across
+    /// runs). Put it on a local NVMe file system.
     #[arg(long)]
     pub disk_dir: Option<PathBuf>,
+    /// Disk tier capacity in bytes (with `--disk-dir`); its least recently used blocks are
+    /// deleted beyond it.
+    #[arg(long, default_value_t = 64 << 30)]
+    pub disk_bytes: u64,
+    /// Read and write the disk tier with O_DIRECT (bypassing the page cache) when the file
+    /// system supports it and blocks are a multiple of 4 KiB; `--disk-direct-io=false` for
+    /// page-cache I/O.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub disk_direct_io: bool,
+    /// Disk writes queued at most; beyond it writes are dropped and counted.
+    #[arg(long, default_value_t = 4096)]
+    pub disk_queue: usize,
+    /// Block bytes queued for the disk at most; beyond it demotions to disk are dropped and
+    /// counted.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub disk_queue_bytes: u64,
     /// Remote tier (G4): `redis://[[user]:password@]host[:port][/db]`; disabled when absent.
     /// (`rediss://` and `s3://` are not in this build.)
     #[arg(long, env = "KVGATE_KVBM_REMOTE_URL", hide_env_values = true)]
@@ -81,12 +99,6 @@ pub struct Args {
 impl Args {
     /// Checks what clap cannot.
     pub fn validate(&self) -> Result<(), String> {
-        if self.disk_dir.is_some() {
-            return Err(
-                "--disk-dir: the disk tier (G3) is not in this build (issue #8); run without it"
-                    .into(),
-            );
-        }
         if let Some(url) = &self.remote_url
             && !url.starts_with("redis://")
         {
@@ -95,9 +107,12 @@ impl Args {
                 crate::remote::redis::redact(url)
             ));
         }
-        if self.host_bytes == 0 && (self.remote_url.is_none() || self.remote_bytes == 0) {
+        let disk = self.disk_dir.is_some() && self.disk_bytes > 0;
+        let remote = self.remote_url.is_some() && self.remote_bytes > 0;
+        if self.host_bytes == 0 && !disk && !remote {
             return Err(
-                "no tier: give --host-bytes > 0, or --remote-url with --remote-bytes > 0".into(),
+                "no tier: give --host-bytes > 0, --disk-dir with --disk-bytes > 0, or --remote-url with --remote-bytes > 0"
+                    .into(),
             );
         }
         if self.node.is_empty() {
@@ -115,6 +130,9 @@ impl Args {
                 "--remote-timeout-ms, --idle-timeout-s and --publish-interval-ms must be positive"
                     .into(),
             );
+        }
+        if self.disk_queue == 0 || self.remote_queue == 0 {
+            return Err("--disk-queue and --remote-queue must be positive".into());
         }
         if self.max_connections == 0 || self.max_keys_per_envelope == 0 {
             return Err("--max-connections and --max-keys-per-envelope must be positive".into());
@@ -142,12 +160,21 @@ mod tests {
             parse(&["--remote-url", "redis://r:6379"]).validate(),
             Ok(())
         );
+        // The disk alone is a tier.
+        let disk_only = parse(&["--host-bytes", "0", "--disk-dir", "/d"]);
+        assert_eq!(disk_only.validate(), Ok(()));
+        assert!(disk_only.disk_direct_io);
+        assert!(!parse(&["--disk-direct-io=false"]).disk_direct_io);
     }
 
     #[test]
     fn bad_configurations_are_explained() {
         for (flags, needle) in [
-            (vec!["--disk-dir", "/d"], "disk tier"),
+            (vec!["--disk-queue", "0"], "positive"),
+            (
+                vec!["--host-bytes", "0", "--disk-dir", "/d", "--disk-bytes", "0"],
+                "no tier",
+            ),
             (vec!["--remote-url", "s3://b"], "redis://"),
             (vec!["--host-bytes", "0"], "no tier"),
             (vec!["--publish-interval-ms", "0"], "positive"),

@@ -37,6 +37,19 @@ pub enum ClientError {
     Unexpected(Box<Response>),
 }
 
+/// What an onboard wrote: the first `blocks` slots hold their blocks, from these tiers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Onboarded {
+    /// Blocks written.
+    pub blocks: u32,
+    /// Of which from host memory.
+    pub host: u32,
+    /// Of which read from disk.
+    pub disk: u32,
+    /// Of which fetched from the remote store.
+    pub remote: u32,
+}
+
 /// A connected, registered connector with its own segment.
 #[derive(Debug)]
 pub struct Client {
@@ -112,14 +125,20 @@ impl Client {
         }
     }
 
-    /// Onboards into `slots`: (blocks, from host, from remote).
-    pub async fn onboard(&mut self, slots: Vec<Slot>) -> Result<(u32, u32, u32), ClientError> {
+    /// Onboards into `slots`: how many blocks, and from which tier.
+    pub async fn onboard(&mut self, slots: Vec<Slot>) -> Result<Onboarded, ClientError> {
         match self.call(&Request::Onboard { blocks: slots }).await? {
             Response::Onboarded {
                 blocks,
                 from_host,
+                from_disk,
                 from_remote,
-            } => Ok((blocks, from_host, from_remote)),
+            } => Ok(Onboarded {
+                blocks,
+                host: from_host,
+                disk: from_disk,
+                remote: from_remote,
+            }),
             other => Err(unexpected(other)),
         }
     }

@@ -22,6 +22,7 @@
 mod app;
 mod args;
 pub mod client;
+pub mod disk;
 pub mod fdpass;
 pub mod metrics;
 pub mod nats;

@@ -1,5 +1,5 @@
 //! The daemon's metrics: `kvgate_kvbm_…`, base units, bounded labels (operation, error code,
-//! tier and the remote client's error kinds are fixed sets).
+//! tier and the lower tiers' error kinds are fixed sets).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -8,6 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use telemetry::{Exposition, Histogram, Kind, buckets};
 
 use crate::protocol::ErrorCode;
+use kv_events::Tier;
+
 use crate::store::{BlockStore, TierUsage};
 
 /// Connector operations, in label order.
@@ -22,6 +24,15 @@ const CODES: [(ErrorCode, &str); 6] = [
     (ErrorCode::Unavailable, "unavailable"),
 ];
 
+/// A lower tier's write queue.
+#[derive(Debug, Default)]
+pub struct WriteCounters {
+    /// Writes (puts and deletes) done.
+    pub done: AtomicU64,
+    /// Writes dropped because the queue was full.
+    pub dropped: AtomicU64,
+}
+
 /// Counters and gauges the edges update.
 #[derive(Debug)]
 pub struct Metrics {
@@ -34,11 +45,13 @@ pub struct Metrics {
     requests: [AtomicU64; 4],
     request_seconds: [Histogram; 4],
     errors: [AtomicU64; 6],
-    /// Remote writes done.
-    pub remote_ops: AtomicU64,
-    /// Remote writes dropped because the queue was full.
-    pub remote_dropped: AtomicU64,
-    remote_errors: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
+    /// The disk tier's write queue.
+    pub disk_writes: WriteCounters,
+    /// The remote tier's write queue.
+    pub remote_writes: WriteCounters,
+    tier_errors: Mutex<BTreeMap<(&'static str, &'static str, &'static str), u64>>,
+    /// Whether the disk tier uses `O_DIRECT`.
+    pub disk_direct_io: AtomicBool,
     /// Envelopes published.
     pub envelopes_published: AtomicU64,
     /// Envelope publishes that failed.
@@ -62,9 +75,10 @@ impl Default for Metrics {
             requests: Default::default(),
             request_seconds: std::array::from_fn(|_| Histogram::new(buckets::SECONDS)),
             errors: Default::default(),
-            remote_ops: AtomicU64::new(0),
-            remote_dropped: AtomicU64::new(0),
-            remote_errors: Mutex::new(BTreeMap::new()),
+            disk_writes: WriteCounters::default(),
+            remote_writes: WriteCounters::default(),
+            tier_errors: Mutex::new(BTreeMap::new()),
+            disk_direct_io: AtomicBool::new(false),
             envelopes_published: AtomicU64::new(0),
             publish_errors: AtomicU64::new(0),
             snapshot_requests: AtomicU64::new(0),
@@ -97,18 +111,28 @@ impl Metrics {
         }
     }
 
-    /// Counts a failed remote operation (`op`: get, put, delete; `kind`: the error's label).
-    pub fn remote_error(&self, op: &'static str, kind: &'static str) {
+    /// A lower tier's write-queue counters (none for host memory).
+    pub fn writes(&self, tier: Tier) -> Option<&WriteCounters> {
+        match tier {
+            Tier::Disk => Some(&self.disk_writes),
+            Tier::Remote => Some(&self.remote_writes),
+            Tier::Gpu | Tier::Host => None,
+        }
+    }
+
+    /// Counts a failed lower-tier operation (`tier`: disk or remote; `op`: read, write,
+    /// delete; `kind`: the error's label).
+    pub fn tier_error(&self, tier: &'static str, op: &'static str, kind: &'static str) {
         let mut m = self
-            .remote_errors
+            .tier_errors
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *m.entry((op, kind)).or_default() += 1;
+        *m.entry((tier, op, kind)).or_default() += 1;
     }
 
     /// The exposition, with the store's gauges read through `store` and the bytes queued for
-    /// the remote store.
-    pub fn render(&self, store: &BlockStore, queued_bytes: u64) -> String {
+    /// each lower tier (disk, remote).
+    pub fn render(&self, store: &BlockStore, queued_bytes: [u64; 2]) -> String {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
         let mut e = Exposition::new();
         e.single(
@@ -164,119 +188,145 @@ impl Metrics {
                 get(c),
             );
         }
-        let tier = |e: &mut Exposition, name: &str, u: TierUsage| {
-            e.sample(
-                "kvgate_kvbm_tier_blocks",
-                &[("tier", name)],
-                u.blocks as f64,
-            );
-            e.sample("kvgate_kvbm_tier_bytes", &[("tier", name)], u.bytes as f64);
-            e.sample(
-                "kvgate_kvbm_tier_capacity_bytes",
-                &[("tier", name)],
-                u.capacity as f64,
-            );
+        // One family per metric, its samples together, labelled by tier.
+        let by_tier = |e: &mut Exposition, name: &str, kind, help, samples: &[(&str, f64)]| {
+            e.family(name, kind, help);
+            for (tier, v) in samples {
+                e.sample(name, &[("tier", tier)], *v);
+            }
         };
-        e.family(
+        let usage: Vec<(&str, TierUsage)> = [
+            ("host", Tier::Host),
+            ("disk", Tier::Disk),
+            ("remote", Tier::Remote),
+        ]
+        .into_iter()
+        .map(|(n, t)| (n, store.usage(t)))
+        .collect();
+        let of = |f: fn(&TierUsage) -> u64| -> Vec<(&str, f64)> {
+            usage.iter().map(|(n, u)| (*n, f(u) as f64)).collect()
+        };
+        by_tier(
+            &mut e,
             "kvgate_kvbm_tier_blocks",
             Kind::Gauge,
             "Blocks held per tier.",
-        )
-        .family(
+            &of(|u| u.blocks),
+        );
+        by_tier(
+            &mut e,
             "kvgate_kvbm_tier_bytes",
             Kind::Gauge,
             "Bytes held per tier.",
-        )
-        .family(
+            &of(|u| u.bytes),
+        );
+        by_tier(
+            &mut e,
             "kvgate_kvbm_tier_capacity_bytes",
             Kind::Gauge,
-            "Byte budget per tier.",
+            "Byte budget per tier (0: disabled).",
+            &of(|u| u.capacity),
         );
-        tier(&mut e, "host", store.host_usage());
-        tier(&mut e, "remote", store.remote_usage());
         let c = store.counters();
-        for (name, help, v) in [
-            (
-                "kvgate_kvbm_host_stored_blocks_total",
-                "Blocks stored into host memory (offloads and promotions).",
-                c.host_stored,
-            ),
-            (
-                "kvgate_kvbm_host_evicted_blocks_total",
-                "Blocks evicted from host memory.",
-                c.host_evicted,
-            ),
-            (
-                "kvgate_kvbm_demoted_blocks_total",
-                "Host evictions written to the remote store.",
-                c.demoted,
-            ),
-            (
-                "kvgate_kvbm_remote_stored_blocks_total",
-                "Blocks stored into the remote store.",
-                c.remote_stored,
-            ),
-            (
-                "kvgate_kvbm_remote_evicted_blocks_total",
-                "Blocks evicted from this node's remote budget.",
-                c.remote_evicted,
-            ),
-            (
-                "kvgate_kvbm_remote_lost_blocks_total",
-                "Remote blocks the remote store no longer had at onboard.",
-                c.remote_lost,
-            ),
-            (
-                "kvgate_kvbm_onboarded_host_blocks_total",
-                "Blocks onboarded from host memory.",
-                c.onboarded_host,
-            ),
-            (
-                "kvgate_kvbm_onboarded_remote_blocks_total",
-                "Blocks onboarded from the remote store.",
-                c.onboarded_remote,
-            ),
-        ] {
-            e.single(name, Kind::Counter, help, &[], v as f64);
-        }
+        let (d, r) = (c.disk, c.remote);
+        by_tier(
+            &mut e,
+            "kvgate_kvbm_stored_blocks_total",
+            Kind::Counter,
+            "Blocks stored per tier (host: offloads and promotions; lower tiers: demotions and direct offloads).",
+            &[
+                ("host", c.host_stored as f64),
+                ("disk", d.stored as f64),
+                ("remote", r.stored as f64),
+            ],
+        );
+        by_tier(
+            &mut e,
+            "kvgate_kvbm_evicted_blocks_total",
+            Kind::Counter,
+            "Blocks evicted per tier by its byte budget.",
+            &[
+                ("host", c.host_evicted as f64),
+                ("disk", d.evicted as f64),
+                ("remote", r.evicted as f64),
+            ],
+        );
+        by_tier(
+            &mut e,
+            "kvgate_kvbm_lost_blocks_total",
+            Kind::Counter,
+            "Lower-tier blocks found gone (a missing file, a key Redis evicted) or whose write failed.",
+            &[("disk", d.lost as f64), ("remote", r.lost as f64)],
+        );
+        by_tier(
+            &mut e,
+            "kvgate_kvbm_onboarded_blocks_total",
+            Kind::Counter,
+            "Blocks onboarded, per tier they came from.",
+            &[
+                ("host", c.onboarded_host as f64),
+                ("disk", d.onboarded as f64),
+                ("remote", r.onboarded as f64),
+            ],
+        );
         e.single(
-            "kvgate_kvbm_remote_ops_total",
+            "kvgate_kvbm_demoted_blocks_total",
             Kind::Counter,
-            "Remote writes (puts and deletes) done.",
+            "Host evictions written to at least one lower tier.",
             &[],
-            get(&self.remote_ops),
-        )
-        .single(
-            "kvgate_kvbm_remote_queued_bytes",
+            c.demoted as f64,
+        );
+        let (w, [queued_disk, queued_remote]) =
+            ([&self.disk_writes, &self.remote_writes], queued_bytes);
+        let [wd, wr] = w;
+        by_tier(
+            &mut e,
+            "kvgate_kvbm_writes_total",
+            Kind::Counter,
+            "Lower-tier writes (puts and deletes) done, per tier.",
+            &[("disk", get(&wd.done)), ("remote", get(&wr.done))],
+        );
+        by_tier(
+            &mut e,
+            "kvgate_kvbm_write_queued_bytes",
             Kind::Gauge,
-            "Block bytes queued for the remote store.",
-            &[],
-            queued_bytes as f64,
-        )
-        .single(
-            "kvgate_kvbm_remote_dropped_total",
+            "Block bytes queued for a lower tier.",
+            &[
+                ("disk", queued_disk as f64),
+                ("remote", queued_remote as f64),
+            ],
+        );
+        by_tier(
+            &mut e,
+            "kvgate_kvbm_write_dropped_total",
             Kind::Counter,
-            "Remote writes dropped because the write queue was full.",
-            &[],
-            get(&self.remote_dropped),
+            "Lower-tier writes dropped because the tier's write queue was full.",
+            &[("disk", get(&wd.dropped)), ("remote", get(&wr.dropped))],
         );
         e.family(
-            "kvgate_kvbm_remote_errors_total",
+            "kvgate_kvbm_tier_errors_total",
             Kind::Counter,
-            "Failed remote operations by operation and error kind.",
+            "Failed lower-tier operations by tier, operation and error kind.",
         );
         let errors = self
-            .remote_errors
+            .tier_errors
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone();
-        for ((op, kind), n) in errors {
+        for ((tier, op, kind), n) in errors {
             e.sample(
-                "kvgate_kvbm_remote_errors_total",
-                &[("op", op), ("kind", kind)],
+                "kvgate_kvbm_tier_errors_total",
+                &[("tier", tier), ("op", op), ("kind", kind)],
                 n as f64,
             );
         }
+        e.single(
+            "kvgate_kvbm_disk_direct_io",
+            Kind::Gauge,
+            "1 when the disk tier reads and writes with O_DIRECT.",
+            &[],
+            f64::from(u8::from(self.disk_direct_io.load(Ordering::Relaxed))),
+        );
         e.single(
             "kvgate_kvbm_envelopes_published_total",
             Kind::Counter,

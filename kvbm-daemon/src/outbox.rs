@@ -260,15 +260,13 @@ impl Outbox {
     pub fn snapshot(&mut self, out: &mut Vec<Envelope>) -> Snapshot {
         self.seal(out);
         let source = self.source();
-        let mut host = Vec::new();
-        let mut remote = Vec::new();
+        let mut by_tier = Tier::ALL.map(|tier| (tier, Vec::new()));
         for (key, tier) in self.holders.keys() {
-            match tier {
-                Tier::Host => host.push(*key),
-                _ => remote.push(*key),
+            if let Some((_, keys)) = by_tier.iter_mut().find(|(t, _)| t == tier) {
+                keys.push(*key);
             }
         }
-        let tiers = [(Tier::Host, host), (Tier::Remote, remote)]
+        let tiers = by_tier
             .into_iter()
             .filter(|(_, keys)| !keys.is_empty())
             .map(|(tier, keys)| TierKeys { tier, keys })
@@ -306,6 +304,7 @@ mod tests {
     fn store() -> (BlockStore, [LayoutId; 3]) {
         let mut s = BlockStore::new(StoreConfig {
             host_bytes: 4 * 8,
+            disk_bytes: 0,
             remote_bytes: 8 * 8,
         });
         let layout = |dtype: &str, shard, shards| Layout {
@@ -354,7 +353,7 @@ mod tests {
     /// block is.
     fn usable(s: &BlockStore, [a0, a1, b]: [LayoutId; 3]) -> HashSet<(BlockKey, Tier)> {
         let mut out = HashSet::new();
-        for tier in [Tier::Host, Tier::Remote] {
+        for tier in Tier::ALL {
             let h1: HashSet<BlockKey> = s.resident(a1, tier).into_iter().collect();
             out.extend(
                 s.resident(a0, tier)

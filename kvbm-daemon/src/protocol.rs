@@ -130,7 +130,7 @@ pub enum Response {
     Found {
         /// Leading blocks in host memory.
         host: u32,
-        /// Leading blocks in host memory or the remote store.
+        /// Leading blocks in any tier.
         any: u32,
     },
     /// An onboard's answer: the first `blocks` slots now hold their blocks.
@@ -139,6 +139,9 @@ pub enum Response {
         blocks: u32,
         /// Of which from host memory.
         from_host: u32,
+        /// Of which read from disk.
+        #[serde(default)]
+        from_disk: u32,
         /// Of which fetched from the remote store.
         from_remote: u32,
     },
@@ -256,6 +259,7 @@ mod tests {
             Response::Onboarded {
                 blocks: 2,
                 from_host: 1,
+                from_disk: 0,
                 from_remote: 1,
             },
             Response::Error {

@@ -318,7 +318,7 @@ async fn onboard(s: &Session, slots: &[Slot], service: &Service) -> Response {
     if let Err(r) = check_slots(s, slots) {
         return r;
     }
-    let (mut from_host, mut from_remote) = (0u32, 0u32);
+    let (mut from_host, mut from_disk, mut from_remote) = (0u32, 0u32, 0u32);
     for chunk in slots.chunks(chunk_len(s.block_bytes)) {
         let keys: Vec<BlockKey> = chunk.iter().map(|s| BlockKey(s.key)).collect();
         let found = match service.onboard(s.layout, &keys).await {
@@ -337,6 +337,7 @@ async fn onboard(s: &Session, slots: &[Slot], service: &Service) -> Response {
         for (_, tier) in &found {
             match tier {
                 Tier::Host => from_host += 1,
+                Tier::Disk => from_disk += 1,
                 _ => from_remote += 1,
             }
         }
@@ -346,8 +347,9 @@ async fn onboard(s: &Session, slots: &[Slot], service: &Service) -> Response {
         }
     }
     Response::Onboarded {
-        blocks: from_host + from_remote,
+        blocks: from_host + from_disk + from_remote,
         from_host,
+        from_disk,
         from_remote,
     }
 }

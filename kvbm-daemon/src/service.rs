@@ -1,16 +1,18 @@
 //! The daemon's shared state and what every edge calls: the store and the outbox under one
-//! short mutex (never held across an await), the remote tier's client and its write queue.
+//! short mutex (never held across an await), and the lower tiers (disk, remote) with their
+//! write queues.
 //!
 //! - **Sealed envelopes** leave through one channel, filled under the state lock, so their
 //!   order on it is their `seq` order; one publisher task drains it (snapshot requests seal
 //!   into the same channel).
-//! - **Remote writes** (demotions, deletes) are queued to one writer task and never delay a
-//!   connector. A put stays readable from the queue until Redis has it, so an onboard right
-//!   after a demotion finds the block. The queue is bounded in operations and in bytes; a
-//!   write that does not fit is dropped and counted (a dropped put is harmless: the onboard
-//!   that misses the block in Redis forgets it).
-//! - **Remote reads** (onboards) run in the connector's request, in chain order, and stop at
-//!   the first block Redis no longer has.
+//! - **Lower-tier writes** (demotions, deletes) are queued, one queue and one writer per
+//!   tier, and never delay a connector. A put stays readable from its queue until the tier
+//!   has it, so an onboard right after a demotion finds the block. Each queue is bounded in
+//!   operations and in bytes; a put that does not fit is dropped and counted, and the store
+//!   forgets the block there at once (no phantom residency). A put that fails is forgotten
+//!   the same way, and a delete of it queued behind any later put of the same block.
+//! - **Lower-tier reads** (onboards) run in the connector's request, in chain order (disk
+//!   reads on the blocking pool), and stop at the first block the tier no longer has.
 //! - **Closing**: after [`Service::close`] every request is refused as unavailable and no
 //!   snapshot is answered, so nothing follows the final `Cleared` on the wire.
 
@@ -23,6 +25,7 @@ use kv_events::snapshot::Snapshot;
 use kv_events::{BlockKey, Envelope, Tier};
 use tokio::sync::{Notify, mpsc};
 
+use crate::disk::{DiskDir, DiskError, block_file_name};
 use crate::metrics::Metrics;
 use crate::outbox::{Group, Outbox};
 use crate::remote::block_name;
@@ -34,19 +37,21 @@ use crate::store::{
 /// The largest block the remote tier takes (Redis's default `proto-max-bulk-len`).
 pub const MAX_REMOTE_BLOCK_BYTES: u64 = 512 << 20;
 
-/// A queued remote write.
+/// A queued lower-tier write.
 #[derive(Debug)]
-pub enum RemoteOp {
-    /// `SET name data`.
+pub enum WriteOp {
+    /// Write a block.
     Put {
-        /// The Redis key.
+        /// The block (forgotten by the store if the write fails).
+        id: BlockId,
+        /// Its name in the tier (Redis key or file name).
         name: String,
         /// The block.
         data: Bytes,
     },
-    /// `DEL name`.
+    /// Delete a block.
     Delete {
-        /// The Redis key.
+        /// Its name in the tier.
         name: String,
     },
 }
@@ -84,21 +89,58 @@ struct State {
 /// been away; receivers resynchronise from a snapshot either way).
 const MAX_PENDING_KEYS: usize = 1 << 20;
 
-/// Remote writes not yet done: readable by onboards meanwhile. Per name, the latest bytes
-/// and how many puts of it are queued (a block can be demoted again before its first put ran).
+/// Writes not yet done: readable by onboards meanwhile. Per name, the latest bytes and how
+/// many puts of it are queued (a block can be demoted again before its first put ran).
 #[derive(Default)]
 struct Pending {
     puts: HashMap<String, (Bytes, u32)>,
     bytes: u64,
 }
 
+/// One lower tier's write queue.
+struct WriteQueue {
+    tier: Tier,
+    tx: mpsc::Sender<WriteOp>,
+    pending: Mutex<Pending>,
+    limit: u64,
+}
+
+impl WriteQueue {
+    fn new(tier: Tier, bounds: QueueBounds) -> (Self, mpsc::Receiver<WriteOp>) {
+        let (tx, rx) = mpsc::channel(bounds.ops.max(1));
+        let queue = Self {
+            tier,
+            tx,
+            pending: Mutex::new(Pending::default()),
+            limit: bounds.bytes,
+        };
+        (queue, rx)
+    }
+
+    fn pending(&self) -> MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn queued(&self, name: &str) -> Option<Bytes> {
+        self.pending().puts.get(name).map(|(d, _)| d.clone())
+    }
+}
+
+/// The lower tiers' back ends (each absent when its tier is disabled).
+#[derive(Debug, Default, Clone)]
+pub struct Backends {
+    /// The disk tier's directory.
+    pub disk: Option<Arc<DiskDir>>,
+    /// The remote store.
+    pub redis: Option<Arc<Redis>>,
+}
+
 /// The shared state.
 pub struct Service {
     state: Mutex<State>,
-    redis: Option<Arc<Redis>>,
-    remote_tx: Option<mpsc::Sender<RemoteOp>>,
-    pending: Mutex<Pending>,
-    pending_limit: u64,
+    backends: Backends,
+    /// One per lower tier with a back end.
+    queues: Vec<WriteQueue>,
     sealed_tx: mpsc::UnboundedSender<Envelope>,
     wake: Notify,
     metrics: Arc<Metrics>,
@@ -107,49 +149,64 @@ pub struct Service {
 impl std::fmt::Debug for Service {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Service")
-            .field("remote", &self.redis.as_ref().map(|r| r.address()))
+            .field("disk", &self.backends.disk.as_ref().map(|d| d.path()))
+            .field("remote", &self.backends.redis.as_ref().map(|r| r.address()))
             .finish_non_exhaustive()
     }
 }
 
 /// What [`Service::start`] hands the edges: the service, the sealed envelopes to publish, and
-/// (with Redis) the remote write queue for [`remote_writer`].
+/// each lower tier's write queue (for [`disk_writer`] and [`remote_writer`]).
 #[derive(Debug)]
 pub struct Parts {
     /// The service.
     pub service: Arc<Service>,
     /// Sealed envelopes, in `seq` order.
     pub sealed: mpsc::UnboundedReceiver<Envelope>,
+    /// Disk writes, when there is a disk tier.
+    pub disk: Option<mpsc::Receiver<WriteOp>>,
     /// Remote writes, when there is a remote tier.
-    pub remote: Option<mpsc::Receiver<RemoteOp>>,
+    pub remote: Option<mpsc::Receiver<WriteOp>>,
 }
 
-/// Bounds of the remote write queue.
+/// Bounds of a write queue.
 #[derive(Debug, Clone, Copy)]
-pub struct RemoteQueue {
+pub struct QueueBounds {
     /// Operations queued at most.
     pub ops: usize,
     /// Block bytes queued at most.
     pub bytes: u64,
 }
 
+/// A block's name in a lower tier.
+fn tier_name(tier: Tier, fingerprint: u64, key: BlockKey) -> String {
+    match tier {
+        Tier::Disk => block_file_name(fingerprint, key),
+        _ => block_name(fingerprint, key),
+    }
+}
+
 impl Service {
-    /// A service over `store`, and the channels its edges drain; with `redis`, remote writes
-    /// go through a queue bounded by `queue`.
+    /// A service over `store`, and the channels its edges drain; each present back end's
+    /// writes go through a queue bounded by its `bounds` (disk, remote).
     pub fn start(
         store: BlockStore,
         outbox: Outbox,
-        redis: Option<Arc<Redis>>,
-        queue: RemoteQueue,
+        backends: Backends,
+        bounds: [QueueBounds; 2],
         metrics: Arc<Metrics>,
     ) -> Parts {
-        let (tx, rx) = match redis {
-            Some(_) => {
-                let (tx, rx) = mpsc::channel(queue.ops.max(1));
-                (Some(tx), Some(rx))
-            }
-            None => (None, None),
+        let [disk_bounds, remote_bounds] = bounds;
+        let mut queues = Vec::new();
+        let mut queue = |present: bool, tier, bounds| {
+            present.then(|| {
+                let (q, rx) = WriteQueue::new(tier, bounds);
+                queues.push(q);
+                rx
+            })
         };
+        let disk = queue(backends.disk.is_some(), Tier::Disk, disk_bounds);
+        let remote = queue(backends.redis.is_some(), Tier::Remote, remote_bounds);
         let (sealed_tx, sealed) = mpsc::unbounded_channel();
         let service = Arc::new(Self {
             state: Mutex::new(State {
@@ -157,10 +214,8 @@ impl Service {
                 outbox,
                 closed: false,
             }),
-            redis,
-            remote_tx: tx,
-            pending: Mutex::new(Pending::default()),
-            pending_limit: queue.bytes,
+            backends,
+            queues,
             sealed_tx,
             wake: Notify::new(),
             metrics,
@@ -168,17 +223,18 @@ impl Service {
         Parts {
             service,
             sealed,
-            remote: rx,
+            disk,
+            remote,
         }
+    }
+
+    fn queue(&self, tier: Tier) -> Option<&WriteQueue> {
+        self.queues.iter().find(|q| q.tier == tier)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
         // Every critical section leaves the state consistent.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn pending(&self) -> MutexGuard<'_, Pending> {
-        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The state, unless the service is closed.
@@ -213,7 +269,7 @@ impl Service {
             })
             .into());
         }
-        if self.redis.is_some() && layout.block_bytes > MAX_REMOTE_BLOCK_BYTES {
+        if self.backends.redis.is_some() && layout.block_bytes > MAX_REMOTE_BLOCK_BYTES {
             return Err(StoreError::Layout(crate::store::LayoutError::Invalid(
                 "blocks above 512 MiB do not fit the remote tier (Redis's bulk limit)",
             ))
@@ -241,9 +297,9 @@ impl Service {
         Ok(self.open()?.store.lookup(layout, keys)?)
     }
 
-    /// The leading blocks of `keys` the node holds, each with the tier it came from; remote
-    /// blocks are fetched (from the write queue if not yet written) and promoted to host
-    /// memory.
+    /// The leading blocks of `keys` the node holds, each with the tier it came from;
+    /// lower-tier blocks are read (from the write queue if not yet written) and promoted to
+    /// host memory.
     pub async fn onboard(
         &self,
         layout: LayoutId,
@@ -260,43 +316,35 @@ impl Service {
         };
         let mut out = Vec::with_capacity(found.len());
         for (found, key) in found.into_iter().zip(keys) {
-            let data = match found {
+            let tier = match found {
                 Found::Host(data) => {
                     out.push((data, Tier::Host));
                     continue;
                 }
-                Found::Remote => {
-                    let name = block_name(fingerprint, *key);
-                    let queued = self.pending().puts.get(&name).map(|(d, _)| d.clone());
-                    match queued {
-                        Some(data) => Ok(Some(data)),
-                        None => match &self.redis {
-                            Some(redis) => redis.get(name.as_bytes()).await,
-                            None => Ok(None),
-                        },
-                    }
-                }
+                Found::Disk => Tier::Disk,
+                Found::Remote => Tier::Remote,
             };
+            let name = tier_name(tier, fingerprint, *key);
             let id = BlockId { layout, key: *key };
             let mut effects = Vec::new();
-            match data {
+            match self.read(tier, name, block_bytes).await {
                 Ok(Some(data)) if data.len() as u64 == block_bytes => {
-                    // Closed while fetching: the final Cleared is out, change nothing more.
+                    // Closed while reading: the final Cleared is out, change nothing more.
                     let mut state = self.open()?;
-                    state.store.promote(id, data.clone(), &mut effects)?;
+                    state.store.promote(id, tier, data.clone(), &mut effects)?;
                     self.dispatch(&mut state, effects);
-                    out.push((data, Tier::Remote));
+                    out.push((data, tier));
                 }
                 Ok(_) => {
-                    // Gone (Redis evicted it, or its put was dropped), or corrupted.
+                    // Gone (evicted by Redis, a dropped or failed put), or corrupted.
                     let mut state = self.open()?;
-                    state.store.remote_lost(id, &mut effects);
+                    state.store.lost(id, tier, &mut effects);
                     self.dispatch(&mut state, effects);
                     break;
                 }
-                Err(e) => {
-                    self.metrics.remote_error("get", e.metric_label());
-                    tracing::warn!(error = %e, "remote fetch failed; onboard stops there");
+                Err((op_kind, message)) => {
+                    self.metrics.tier_error(tier_label(tier), "read", op_kind);
+                    tracing::warn!(tier = tier_label(tier), error = %message, "lower-tier read failed; onboard stops there");
                     break;
                 }
             }
@@ -304,7 +352,39 @@ impl Service {
         Ok(out)
     }
 
-    /// Routes a store operation's effects: events to the outbox, remote writes to the queue.
+    /// A block's bytes from a lower tier: its write queue first, then the back end.
+    async fn read(
+        &self,
+        tier: Tier,
+        name: String,
+        len: u64,
+    ) -> Result<Option<Bytes>, (&'static str, String)> {
+        let queued = self.queue(tier).and_then(|q| q.queued(&name));
+        if queued.is_some() {
+            return Ok(queued);
+        }
+        match tier {
+            Tier::Disk => {
+                let Some(disk) = self.backends.disk.clone() else {
+                    return Ok(None);
+                };
+                tokio::task::spawn_blocking(move || disk.read(&name, len))
+                    .await
+                    .map_err(|e| ("io", e.to_string()))?
+                    .map_err(|e: DiskError| (e.metric_label(), e.to_string()))
+            }
+            _ => match &self.backends.redis {
+                Some(redis) => redis
+                    .get(name.as_bytes())
+                    .await
+                    .map_err(|e| (e.metric_label(), e.to_string())),
+                None => Ok(None),
+            },
+        }
+    }
+
+    /// Routes a store operation's effects: events to the outbox, lower-tier writes to their
+    /// queues.
     fn dispatch(&self, state: &mut State, effects: Vec<Effect>) {
         let mut published = false;
         let mut dropped = Vec::new();
@@ -316,32 +396,24 @@ impl Service {
                         published = true;
                     }
                 }
-                Effect::RemotePut { id, data } => {
-                    if let Some(name) = name_of(&state.store, id)
-                        && !self.queue_put(name, data)
+                Effect::Write { tier, id, data } => {
+                    if let Some(name) = name_of(&state.store, tier, id)
+                        && !self.queue_put(tier, id, name, data)
                     {
-                        dropped.push(id);
+                        dropped.push((id, tier));
                     }
                 }
-                Effect::RemoteDelete { id } => {
-                    if let Some(name) = name_of(&state.store, id) {
-                        self.queue_delete(name);
+                Effect::Delete { tier, id } => {
+                    if let Some(name) = name_of(&state.store, tier, id) {
+                        self.queue_delete(tier, name);
                     }
                 }
             }
         }
-        // A put that could not be queued never reaches Redis: forget the block there (after
-        // the loop, so its Removed follows its Stored).
-        for id in dropped {
-            let mut effects = Vec::new();
-            state.store.remote_lost(id, &mut effects);
-            let group = state.store.layout(id.layout).map(Group::of);
-            for effect in effects {
-                if let (Effect::Publish { event, .. }, Some(group)) = (effect, group) {
-                    state.outbox.push(group, event);
-                    published = true;
-                }
-            }
+        // A put that could not be queued never reaches its tier: forget the block there
+        // (after the loop, so its Removed follows its Stored).
+        for (id, tier) in dropped {
+            published |= self.forget(state, id, tier);
         }
         if state.outbox.pending_keys() > MAX_PENDING_KEYS {
             state.outbox.new_epoch(kv_bridge::epoch::random_epoch());
@@ -358,17 +430,48 @@ impl Service {
         }
     }
 
-    /// Queues a put; false when it was dropped (the queue is full in operations or bytes).
-    fn queue_put(&self, name: String, data: Bytes) -> bool {
-        let Some(tx) = &self.remote_tx else {
+    /// Forgets `id` in `tier` and queues its events; true when something was published.
+    fn forget(&self, state: &mut State, id: BlockId, tier: Tier) -> bool {
+        let mut effects = Vec::new();
+        state.store.lost(id, tier, &mut effects);
+        let group = state.store.layout(id.layout).map(Group::of);
+        let mut published = false;
+        for effect in effects {
+            if let (Effect::Publish { event, .. }, Some(group)) = (effect, group) {
+                state.outbox.push(group, event);
+                published = true;
+            }
+        }
+        published
+    }
+
+    /// A queued put failed: the tier may not have the block, so the store forgets it there,
+    /// and a delete follows any later put of it in the queue (which the forgotten entry no
+    /// longer accounts for).
+    fn write_failed(&self, tier: Tier, id: BlockId, name: String) {
+        let mut state = self.lock();
+        if state.closed {
+            return;
+        }
+        if self.forget(&mut state, id, tier) {
+            self.queue_delete(tier, name);
+            drop(state);
+            self.wake.notify_one();
+        }
+    }
+
+    /// Queues a put; false when it was dropped (the tier has no queue, or it is full in
+    /// operations or bytes).
+    fn queue_put(&self, tier: Tier, id: BlockId, name: String, data: Bytes) -> bool {
+        let (Some(q), Some(counters)) = (self.queue(tier), self.metrics.writes(tier)) else {
             return false;
         };
         let len = data.len() as u64;
         {
-            let mut p = self.pending();
-            if p.bytes + len > self.pending_limit {
+            let mut p = q.pending();
+            if p.bytes + len > q.limit {
                 drop(p);
-                self.metrics.remote_dropped.fetch_add(1, Ordering::Relaxed);
+                counters.dropped.fetch_add(1, Ordering::Relaxed);
                 return false;
             }
             p.bytes += len;
@@ -376,31 +479,37 @@ impl Service {
             entry.0 = data.clone();
             entry.1 += 1;
         }
-        if tx
-            .try_send(RemoteOp::Put {
+        if q.tx
+            .try_send(WriteOp::Put {
+                id,
                 name: name.clone(),
                 data,
             })
             .is_err()
         {
-            self.put_done(&name);
-            self.metrics.remote_dropped.fetch_add(1, Ordering::Relaxed);
+            self.put_done(tier, &name);
+            counters.dropped.fetch_add(1, Ordering::Relaxed);
             return false;
         }
         true
     }
 
-    fn queue_delete(&self, name: String) {
-        let Some(tx) = &self.remote_tx else { return };
-        if tx.try_send(RemoteOp::Delete { name }).is_err() {
-            self.metrics.remote_dropped.fetch_add(1, Ordering::Relaxed);
+    fn queue_delete(&self, tier: Tier, name: String) {
+        let Some(q) = self.queue(tier) else { return };
+        if q.tx.try_send(WriteOp::Delete { name }).is_err()
+            && let Some(counters) = self.metrics.writes(tier)
+        {
+            counters.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
 
     /// A queued put is done (written, failed or dropped): it is no longer readable from the
     /// queue.
-    fn put_done(&self, name: &str) {
-        let mut p = self.pending();
+    fn put_done(&self, tier: Tier, name: &str) {
+        let Some(q) = self.queue(tier) else {
+            return;
+        };
+        let mut p = q.pending();
         let Some((data, count)) = p.puts.get_mut(name) else {
             return;
         };
@@ -412,9 +521,9 @@ impl Service {
         p.bytes = p.bytes.saturating_sub(len);
     }
 
-    /// Block bytes queued for Redis.
-    pub fn queued_bytes(&self) -> u64 {
-        self.pending().bytes
+    /// Block bytes queued per lower tier (disk, remote).
+    pub fn queued_bytes(&self) -> [u64; 2] {
+        [Tier::Disk, Tier::Remote].map(|t| self.queue(t).map_or(0, |q| q.pending().bytes))
     }
 
     /// Seals pending events into the sealed channel.
@@ -483,35 +592,90 @@ impl Service {
     }
 }
 
-fn name_of(store: &BlockStore, id: BlockId) -> Option<String> {
+/// The metrics label of a tier.
+fn tier_label(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Gpu => "gpu",
+        Tier::Host => "host",
+        Tier::Disk => "disk",
+        Tier::Remote => "remote",
+    }
+}
+
+fn name_of(store: &BlockStore, tier: Tier, id: BlockId) -> Option<String> {
     store
         .layout(id.layout)
-        .map(|l| block_name(l.fingerprint(), id.key))
+        .map(|l| tier_name(tier, l.fingerprint(), id.key))
+}
+
+/// Counts a finished write, and reports a failed put to the service.
+fn write_finished(
+    service: &Service,
+    tier: Tier,
+    op: &'static str,
+    failed_put: Option<(BlockId, String)>,
+    error: Option<(&'static str, String)>,
+) {
+    match error {
+        None => {
+            if let Some(counters) = service.metrics.writes(tier) {
+                counters.done.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Some((kind, message)) => {
+            let label = tier_label(tier);
+            service.metrics.tier_error(label, op, kind);
+            tracing::warn!(tier = label, op, error = %message, "lower-tier write failed");
+            if let Some((id, name)) = failed_put {
+                service.write_failed(tier, id, name);
+            }
+        }
+    }
 }
 
 /// Drains the remote write queue into Redis until every sender is gone.
 pub async fn remote_writer(
     service: Arc<Service>,
     redis: Arc<Redis>,
-    mut rx: mpsc::Receiver<RemoteOp>,
+    mut rx: mpsc::Receiver<WriteOp>,
 ) {
-    let metrics = Arc::clone(service.metrics());
     while let Some(op) = rx.recv().await {
-        let (what, result) = match &op {
-            RemoteOp::Put { name, data } => {
-                let r = redis.put(name.as_bytes(), data).await;
-                service.put_done(name);
-                ("put", r)
+        match op {
+            WriteOp::Put { id, name, data } => {
+                let r = redis.put(name.as_bytes(), &data).await;
+                service.put_done(Tier::Remote, &name);
+                let error = r.err().map(|e| (e.metric_label(), e.to_string()));
+                write_finished(&service, Tier::Remote, "write", Some((id, name)), error);
             }
-            RemoteOp::Delete { name } => ("delete", redis.delete(name.as_bytes()).await),
-        };
-        match result {
-            Ok(()) => {
-                metrics.remote_ops.fetch_add(1, Ordering::Relaxed);
+            WriteOp::Delete { name } => {
+                let error = redis
+                    .delete(name.as_bytes())
+                    .await
+                    .err()
+                    .map(|e| (e.metric_label(), e.to_string()));
+                write_finished(&service, Tier::Remote, "delete", None, error);
             }
-            Err(e) => {
-                metrics.remote_error(what, e.metric_label());
-                tracing::warn!(op = what, error = %e, "remote write failed");
+        }
+    }
+}
+
+/// Drains the disk write queue into the directory until every sender is gone. Blocking:
+/// run it on a thread of its own.
+pub fn disk_writer(service: &Service, disk: &DiskDir, mut rx: mpsc::Receiver<WriteOp>) {
+    while let Some(op) = rx.blocking_recv() {
+        match op {
+            WriteOp::Put { id, name, data } => {
+                let r = disk.write(&name, &data);
+                service.put_done(Tier::Disk, &name);
+                let error = r.err().map(|e| (e.metric_label(), e.to_string()));
+                write_finished(service, Tier::Disk, "write", Some((id, name)), error);
+            }
+            WriteOp::Delete { name } => {
+                let error = disk
+                    .delete(&name)
+                    .err()
+                    .map(|e| (e.metric_label(), e.to_string()));
+                write_finished(service, Tier::Disk, "delete", None, error);
             }
         }
     }
@@ -551,6 +715,7 @@ mod tests {
         let parts = Service::start(
             BlockStore::new(StoreConfig {
                 host_bytes: 2 * B,
+                disk_bytes: 0,
                 remote_bytes: 64 * B,
             }),
             Outbox::new(
@@ -563,11 +728,14 @@ mod tests {
                 1,
                 1024,
             ),
-            Some(Arc::new(redis)),
-            RemoteQueue {
+            Backends {
+                disk: None,
+                redis: Some(Arc::new(redis)),
+            },
+            [QueueBounds {
                 ops: 16,
                 bytes: queue_bytes,
-            },
+            }; 2],
             Arc::new(Metrics::default()),
         );
         let l = parts.service.register(layout()).unwrap();
@@ -580,13 +748,164 @@ mod tests {
             .collect()
     }
 
+    /// A fresh directory under the system temp dir, removed on drop.
+    struct TempDir(std::path::PathBuf);
+
+    impl TempDir {
+        fn new(what: &str) -> Self {
+            let path = std::env::temp_dir()
+                .join(format!("kvgate-kvbm-service-{what}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&path);
+            Self(path)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A service of 2 host and 4 disk blocks over `dir`, no remote tier, and its disk
+    /// writer on a thread of its own (started by the caller through `run_writer`).
+    fn disk_service(dir: &std::path::Path) -> (Parts, LayoutId, Arc<DiskDir>) {
+        let disk = Arc::new(DiskDir::open(dir, crate::disk::DirectIo::Off).unwrap());
+        let parts = Service::start(
+            BlockStore::new(StoreConfig {
+                host_bytes: 2 * B,
+                disk_bytes: 4 * B,
+                remote_bytes: 0,
+            }),
+            Outbox::new(
+                Identity {
+                    namespace: "ns".into(),
+                    node: "n".into(),
+                    model: "m".into(),
+                    block_size: 4,
+                },
+                1,
+                1024,
+            ),
+            Backends {
+                disk: Some(Arc::clone(&disk)),
+                redis: None,
+            },
+            [QueueBounds {
+                ops: 16,
+                bytes: 1 << 20,
+            }; 2],
+            Arc::new(Metrics::default()),
+        );
+        let l = parts.service.register(layout()).unwrap();
+        (parts, l, disk)
+    }
+
+    fn run_writer(parts: &mut Parts, disk: &Arc<DiskDir>) {
+        let (service, disk) = (Arc::clone(&parts.service), Arc::clone(disk));
+        let rx = parts.disk.take().unwrap();
+        std::thread::spawn(move || disk_writer(&service, &disk, rx));
+    }
+
+    async fn drained(s: &Service) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while s.queued_bytes() != [0, 0] {
+            assert!(std::time::Instant::now() < deadline, "disk queue drained");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    fn sealed_events(parts: &mut Parts) -> Vec<KvEvent> {
+        parts.service.seal();
+        let mut out = Vec::new();
+        while let Ok(e) = parts.sealed.try_recv() {
+            out.extend(e.events);
+        }
+        out
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn disk_blocks_are_read_from_the_queue_then_from_their_files() {
+        let dir = TempDir::new("read");
+        let (mut parts, l, disk) = disk_service(&dir.0);
+        let s = Arc::clone(&parts.service);
+        // Four blocks into two host slots: 1 and 2 are demoted to disk, still queued.
+        s.offload(l, None, &blocks(&[1, 2, 3, 4])).unwrap();
+        assert_eq!(s.queued_bytes(), [2 * B, 0]);
+        let one = s.onboard(l, &[BlockKey(1)]).await.unwrap();
+        assert_eq!(one, vec![(Bytes::from(vec![1u8; B as usize]), Tier::Disk)]);
+        run_writer(&mut parts, &disk);
+        drained(&s).await;
+        // Block 2 now comes from its file.
+        let two = s.onboard(l, &[BlockKey(2)]).await.unwrap();
+        assert_eq!(two, vec![(Bytes::from(vec![2u8; B as usize]), Tier::Disk)]);
+        assert_eq!(s.with_store(|st| st.counters().disk.onboarded), 2);
+        // Promoting 1 and 2 demoted 3 and 4: every disk block has its file.
+        drained(&s).await;
+        let on_disk = s.with_store(|st| st.resident(l, Tier::Disk));
+        assert_eq!(on_disk.len(), 4);
+        for key in &on_disk {
+            let name = block_file_name(layout().fingerprint(), *key);
+            assert!(dir.0.join(name).is_file(), "{key:?} has its file");
+        }
+        // A file removed behind the daemon's back: the onboard stops there and the block is
+        // forgotten on disk, with a Removed event.
+        let in_host = s.with_store(|st| st.resident(l, Tier::Host));
+        let gone = *on_disk.iter().find(|k| !in_host.contains(k)).unwrap();
+        std::fs::remove_file(dir.0.join(block_file_name(layout().fingerprint(), gone))).unwrap();
+        let _ = sealed_events(&mut parts);
+        assert!(s.onboard(l, &[gone]).await.unwrap().is_empty());
+        assert_eq!(s.lookup(l, &[gone]).unwrap().any, 0);
+        assert!(sealed_events(&mut parts).contains(&KvEvent::Removed {
+            keys: vec![gone],
+            tier: Tier::Disk
+        }));
+        assert_eq!(s.with_store(|st| st.counters().disk.lost), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_disk_write_forgets_the_block() {
+        let dir = TempDir::new("fail");
+        let (mut parts, l, disk) = disk_service(&dir.0);
+        let s = Arc::clone(&parts.service);
+        // The directory vanishes: every write fails.
+        std::fs::remove_dir_all(&dir.0).unwrap();
+        run_writer(&mut parts, &disk);
+        s.offload(l, None, &blocks(&[1, 2, 3])).unwrap();
+        drained(&s).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while s.lookup(l, &[BlockKey(1)]).unwrap().any != 0 {
+            assert!(std::time::Instant::now() < deadline, "block 1 forgotten");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let events = sealed_events(&mut parts);
+        let stored = events.iter().position(|e| {
+            matches!(e, KvEvent::Stored { keys, tier: Tier::Disk, .. } if keys == &[BlockKey(1)])
+        });
+        let removed = events.iter().position(|e| {
+            e == &KvEvent::Removed {
+                keys: vec![BlockKey(1)],
+                tier: Tier::Disk,
+            }
+        });
+        assert!(stored.is_some() && removed > stored, "{events:?}");
+        let text = s.with_store(|st| s.metrics().render(st, s.queued_bytes()));
+        assert!(
+            text.contains("kvgate_kvbm_lost_blocks_total{tier=\"disk\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvgate_kvbm_tier_errors_total{tier=\"disk\",op=\"write\""),
+            "{text}"
+        );
+    }
+
     #[tokio::test]
     async fn a_demoted_block_is_onboarded_from_the_queue_before_redis_has_it() {
         let (parts, l) = service(1 << 20);
         let s = &parts.service;
         // Three blocks into two host slots: block 1 is demoted, its put still queued.
         s.offload(l, None, &blocks(&[1, 2, 3])).unwrap();
-        assert_eq!(s.queued_bytes(), B);
+        assert_eq!(s.queued_bytes(), [0, B]);
         let got = s.onboard(l, &[BlockKey(1)]).await.unwrap();
         assert_eq!(
             got,
@@ -604,8 +923,8 @@ mod tests {
         let s = &parts.service;
         s.offload(l, None, &blocks(&[1, 2, 3, 4])).unwrap();
         // Blocks 1 and 2 were demoted; only one fits the queue.
-        assert_eq!(s.queued_bytes(), B);
-        assert_eq!(s.metrics().remote_dropped.load(Ordering::Relaxed), 1);
+        assert_eq!(s.queued_bytes(), [0, B]);
+        assert_eq!(s.metrics().remote_writes.dropped.load(Ordering::Relaxed), 1);
         // Block 2's put was dropped, so the store forgot it at once (Removed, not a phantom
         // remote entry); block 1 comes from the queue.
         assert_eq!(s.lookup(l, &[BlockKey(2)]).unwrap().any, 0);

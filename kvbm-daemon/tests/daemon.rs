@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kv_events::snapshot::{SnapshotChunk, SnapshotRequest};
 use kv_events::{Envelope, KvEvent, Tier};
-use kvgate_kvbm::client::{Client, ClientError};
+use kvgate_kvbm::client::{Client, ClientError, Onboarded};
 use kvgate_kvbm::protocol::{ErrorCode, Slot};
 use kvgate_kvbm::store::Layout;
 use support::{Proc, free_port, nats_server, redis_server, wait_port};
@@ -240,10 +240,16 @@ async fn offload_demote_onboard_publish_and_snapshot() {
             offset: (i as u64 + 2) % 8 * BLOCK,
         })
         .collect();
-    let (n, from_host, from_remote) = c.onboard(into.clone()).await.unwrap();
-    assert_eq!(n, 6);
-    assert_eq!(from_remote, 2);
-    assert_eq!(from_host, 4);
+    let got = c.onboard(into.clone()).await.unwrap();
+    assert_eq!(
+        got,
+        Onboarded {
+            blocks: 6,
+            host: 4,
+            disk: 0,
+            remote: 2
+        }
+    );
     for slot in &into {
         assert_eq!(
             &c.segment().read(slot.offset, BLOCK).unwrap()[..],
@@ -254,7 +260,7 @@ async fn offload_demote_onboard_publish_and_snapshot() {
     }
     // A chain that starts with an unknown block onboards nothing.
     let unknown = vec![Slot { key: 99, offset: 0 }];
-    assert_eq!(c.onboard(unknown).await.unwrap(), (0, 0, 0));
+    assert_eq!(c.onboard(unknown).await.unwrap(), Onboarded::default());
 
     // A snapshot naming the model matches the stream.
     let req = SnapshotRequest {
@@ -305,8 +311,12 @@ async fn offload_demote_onboard_publish_and_snapshot() {
     assert_eq!(metric(&text, "kvgate_kvbm_tier_blocks{tier=\"host\"}"), 4.0);
     assert!(metric(&text, "kvgate_kvbm_demoted_blocks_total") >= 2.0);
     assert_eq!(
-        metric(&text, "kvgate_kvbm_onboarded_remote_blocks_total"),
+        metric(&text, "kvgate_kvbm_onboarded_blocks_total{tier=\"remote\"}"),
         2.0
+    );
+    assert_eq!(
+        metric(&text, "kvgate_kvbm_tier_capacity_bytes{tier=\"disk\"}"),
+        0.0
     );
     assert_eq!(
         metric(&text, "kvgate_kvbm_requests_total{op=\"offload\"}"),
@@ -459,7 +469,8 @@ async fn large_requests_run_in_chunks_and_keep_the_chain() {
     for i in 0..20 {
         c.segment().write(i * BIG, &[0u8; 16]).unwrap();
     }
-    assert_eq!(c.onboard(slots.clone()).await.unwrap(), (20, 20, 0));
+    let got = c.onboard(slots.clone()).await.unwrap();
+    assert_eq!((got.blocks, got.host), (20, 20));
     for slot in [&slots[0], &slots[16], &slots[19]] {
         let head = c.segment().read(slot.offset, 16).unwrap();
         assert!(

@@ -1,17 +1,21 @@
 //! The block store: the daemon's pure core. No I/O, no clock, no async.
 //!
-//! Two tiers in this build, both byte-budgeted and least-recently-used:
+//! Three tiers, each byte-budgeted and least-recently-used:
 //!
 //! - **host** (G2): the block bytes, in memory;
-//! - **remote** (G4): an index of what this node wrote to the remote store (Redis); the bytes
-//!   live there, and the store asks the edge to put, fetch and delete them through
-//!   [`Effect`]s.
+//! - **disk** (G3): an index of the blocks this daemon wrote to its disk directory;
+//! - **remote** (G4): an index of what this node wrote to the remote store (Redis).
 //!
-//! Tiers are inclusive: a block promoted from remote to host stays in remote. A block the
-//! host evicts is *demoted*: written to remote unless remote already has it (then it is only
-//! touched there). Every change of residency is reported, in order, as a kvgate
-//! [`KvEvent`] for the block's layout, so a receiver that applies the events in order holds
-//! exactly the store's residency (a property test checks this).
+//! The bytes of the two lower tiers live outside the store; it asks the edge to write,
+//! read and delete them through [`Effect`]s.
+//!
+//! Tiers are inclusive: a block promoted from a lower tier to host memory stays where it
+//! was. A block the host evicts is *demoted*: written to every lower tier that does not have
+//! it yet (and touched in those that do), so the disk keeps a fast local copy and the remote
+//! store a large one; a lower tier's own evictions are dropped. Every change of residency
+//! is reported, in order, as a kvgate [`KvEvent`] for the block's layout, so a receiver that
+//! applies the events in order holds exactly the store's residency (a property test checks
+//! this).
 //!
 //! Every operation validates its whole input before it changes anything.
 
@@ -39,9 +43,14 @@ pub struct BlockId {
 pub struct StoreConfig {
     /// Host tier bytes; 0 disables the tier.
     pub host_bytes: u64,
+    /// Disk tier bytes; 0 disables the tier.
+    pub disk_bytes: u64,
     /// Remote tier bytes this node may occupy; 0 disables the tier.
     pub remote_bytes: u64,
 }
+
+/// The tiers below host memory, in the order an onboard searches them.
+pub const LOWER_TIERS: [Tier; 2] = [Tier::Disk, Tier::Remote];
 
 /// What the edge must do after an operation, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,15 +62,19 @@ pub enum Effect {
         /// The event.
         event: KvEvent,
     },
-    /// Write the block to the remote store.
-    RemotePut {
+    /// Write the block to a lower tier ([`Tier::Disk`] or [`Tier::Remote`]).
+    Write {
+        /// The tier.
+        tier: Tier,
         /// The block.
         id: BlockId,
         /// Its bytes.
         data: Bytes,
     },
-    /// Delete the block from the remote store.
-    RemoteDelete {
+    /// Delete the block from a lower tier.
+    Delete {
+        /// The tier.
+        tier: Tier,
         /// The block.
         id: BlockId,
     },
@@ -93,8 +106,11 @@ pub enum StoreError {
 pub enum Found {
     /// In host memory: here are its bytes.
     Host(Bytes),
+    /// On disk (and not in host memory): the edge reads it, then calls
+    /// [`BlockStore::promote`] (or [`BlockStore::lost`] when the file is gone).
+    Disk,
     /// In the remote store only: the edge fetches it, then calls [`BlockStore::promote`] (or
-    /// [`BlockStore::remote_lost`] when the remote store no longer has it).
+    /// [`BlockStore::lost`] when the remote store no longer has it).
     Remote,
 }
 
@@ -103,7 +119,7 @@ pub enum Found {
 pub struct Lookup {
     /// Leading blocks present in host memory.
     pub host: u32,
-    /// Leading blocks present in host memory or the remote store.
+    /// Leading blocks present in any tier.
     pub any: u32,
 }
 
@@ -116,6 +132,19 @@ pub struct Offloaded {
     pub present: u32,
 }
 
+/// A lower tier's counters since start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LowerCounters {
+    /// Blocks stored into the tier (demotions and direct offloads).
+    pub stored: u64,
+    /// Blocks evicted from the tier's budget.
+    pub evicted: u64,
+    /// Blocks the edge found gone (a missing file, a key Redis evicted, a failed write).
+    pub lost: u64,
+    /// Blocks read back from the tier for an onboard ([`BlockStore::promote`] calls).
+    pub onboarded: u64,
+}
+
 /// Counters since start.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StoreCounters {
@@ -123,20 +152,16 @@ pub struct StoreCounters {
     pub host_stored: u64,
     /// Blocks evicted from host memory.
     pub host_evicted: u64,
-    /// Host evictions written to the remote store.
+    /// Host evictions written to at least one lower tier.
     pub demoted: u64,
-    /// Blocks stored into the remote store (demotions and direct offloads).
-    pub remote_stored: u64,
-    /// Blocks evicted from this node's remote budget.
-    pub remote_evicted: u64,
-    /// Remote blocks the remote store no longer had.
-    pub remote_lost: u64,
-    /// Onboard requests answered, and the blocks they found per tier.
+    /// Onboard requests answered.
     pub onboards: u64,
     /// Blocks onboarded from host memory.
     pub onboarded_host: u64,
-    /// Blocks fetched from the remote store for an onboard ([`BlockStore::promote`] calls).
-    pub onboarded_remote: u64,
+    /// The disk tier's.
+    pub disk: LowerCounters,
+    /// The remote tier's.
+    pub remote: LowerCounters,
 }
 
 /// A tier's occupancy.
@@ -161,8 +186,64 @@ struct HostBlock {
 pub struct BlockStore {
     layouts: Layouts,
     host: TierSet<HostBlock>,
-    remote: TierSet<Option<BlockKey>>,
+    /// Disk, then remote (as [`LOWER_TIERS`]).
+    lower: [Lower; 2],
     counters: StoreCounters,
+}
+
+/// A lower tier: an index of blocks whose bytes live at the edge (each block's value is its
+/// parent key), and its counters.
+#[derive(Debug)]
+struct Lower {
+    tier: Tier,
+    set: TierSet<Option<BlockKey>>,
+    counters: LowerCounters,
+}
+
+impl Lower {
+    fn new(tier: Tier, capacity: u64) -> Self {
+        Self {
+            tier,
+            set: TierSet::new(capacity),
+            counters: LowerCounters::default(),
+        }
+    }
+
+    /// Evicts least recently used blocks until `bytes` fit, deleting their copies.
+    fn make_room(&mut self, bytes: u64, effects: &mut Vec<Effect>) {
+        while self.set.free() < bytes {
+            let Some(victim) = self.set.oldest() else {
+                return;
+            };
+            self.set.remove(&victim);
+            self.counters.evicted += 1;
+            effects.push(Effect::Delete {
+                tier: self.tier,
+                id: victim,
+            });
+            effects.push(removed(victim, self.tier));
+        }
+    }
+
+    /// Makes room for and inserts a block the tier lacks, with its write (the caller
+    /// publishes its `Stored`).
+    fn insert(
+        &mut self,
+        id: BlockId,
+        bytes: u64,
+        parent: Option<BlockKey>,
+        data: &Bytes,
+        effects: &mut Vec<Effect>,
+    ) {
+        self.make_room(bytes, effects);
+        self.set.insert(id, bytes, parent);
+        self.counters.stored += 1;
+        effects.push(Effect::Write {
+            tier: self.tier,
+            id,
+            data: data.clone(),
+        });
+    }
 }
 
 /// Collects consecutive newly stored keys of one chain into as few `Stored` events as the
@@ -176,6 +257,16 @@ struct Run {
 }
 
 impl Run {
+    fn new(layout: LayoutId, tier: Tier, parent: Option<BlockKey>, token_count: u32) -> Self {
+        Self {
+            layout,
+            tier,
+            parent,
+            keys: Vec::new(),
+            token_count,
+        }
+    }
+
     fn flush(&mut self, effects: &mut Vec<Effect>) {
         if self.keys.is_empty() {
             return;
@@ -194,6 +285,12 @@ impl Run {
                 token_count,
             },
         });
+    }
+
+    /// `key` was already there: the run breaks, and the next stored block follows `key`.
+    fn skip(&mut self, key: BlockKey, effects: &mut Vec<Effect>) {
+        self.flush(effects);
+        self.parent = Some(key);
     }
 }
 
@@ -214,14 +311,21 @@ impl BlockStore {
         Self {
             layouts: Layouts::default(),
             host: TierSet::new(config.host_bytes),
-            remote: TierSet::new(config.remote_bytes),
+            lower: [
+                Lower::new(Tier::Disk, config.disk_bytes),
+                Lower::new(Tier::Remote, config.remote_bytes),
+            ],
             counters: StoreCounters::default(),
         }
     }
 
     /// Registers a layout (idempotent), refusing one whose blocks fit no tier.
     pub fn register(&mut self, layout: Layout) -> Result<LayoutId, StoreError> {
-        let largest = self.host.capacity().max(self.remote.capacity());
+        let largest = self
+            .lower
+            .iter()
+            .map(|l| l.set.capacity())
+            .fold(self.host.capacity(), u64::max);
         if layout.block_bytes > largest {
             return Err(LayoutError::TooLarge {
                 block_bytes: layout.block_bytes,
@@ -248,8 +352,17 @@ impl BlockStore {
             .ok_or(StoreError::UnknownLayout(layout.0))
     }
 
-    /// Stores a chain of blocks (`parent` is the key before the first): into host memory, or
-    /// straight into the remote store when host memory is disabled or the block cannot fit it.
+    fn lower(&self, tier: Tier) -> Option<&Lower> {
+        self.lower.iter().find(|l| l.tier == tier)
+    }
+
+    fn lower_mut(&mut self, tier: Tier) -> Option<&mut Lower> {
+        self.lower.iter_mut().find(|l| l.tier == tier)
+    }
+
+    /// Stores a chain of blocks (`parent` is the key before the first): into host memory, or,
+    /// when host memory is disabled or a block cannot fit it, straight into every lower tier
+    /// it fits.
     pub fn offload(
         &mut self,
         layout: LayoutId,
@@ -268,64 +381,96 @@ impl BlockStore {
                 });
             }
         }
-        let to_host = self.host.fits(want);
-        let tier = if to_host { Tier::Host } else { Tier::Remote };
-        let mut run = Run {
-            layout,
-            tier,
-            parent,
-            keys: Vec::new(),
-            token_count: tokens,
-        };
+        Ok(if self.host.fits(want) {
+            self.offload_host(layout, parent, blocks, (want, tokens), effects)
+        } else {
+            self.offload_lower(layout, parent, blocks, (want, tokens), effects)
+        })
+    }
+
+    fn offload_host(
+        &mut self,
+        layout: LayoutId,
+        parent: Option<BlockKey>,
+        blocks: &[(BlockKey, Bytes)],
+        (want, tokens): (u64, u32),
+        effects: &mut Vec<Effect>,
+    ) -> Offloaded {
+        let mut run = Run::new(layout, Tier::Host, parent, tokens);
         let mut done = Offloaded::default();
         let mut before = parent;
         for (key, data) in blocks {
             let id = BlockId { layout, key: *key };
-            let present = if to_host {
-                self.host.touch(&id)
-            } else {
-                self.remote.touch(&id)
-            };
-            if present {
+            if self.host.touch(&id) {
                 done.present += 1;
-                run.flush(effects);
-                run.parent = Some(*key);
+                run.skip(*key, effects);
             } else {
                 // Evictions (and their events) come before this block's Stored, so flush the
                 // run first if room must be made.
-                if to_host {
-                    if self.host.free() < want {
-                        run.flush(effects);
-                        self.make_host_room(want, effects);
-                    }
-                    self.host.insert(
-                        id,
-                        want,
-                        HostBlock {
-                            data: data.clone(),
-                            parent: before,
-                        },
-                    );
-                    self.counters.host_stored += 1;
-                } else {
-                    if self.remote.free() < want {
-                        run.flush(effects);
-                        self.make_remote_room(want, effects);
-                    }
-                    self.remote.insert(id, want, before);
-                    self.counters.remote_stored += 1;
-                    effects.push(Effect::RemotePut {
-                        id,
-                        data: data.clone(),
-                    });
+                if self.host.free() < want {
+                    run.flush(effects);
+                    self.make_host_room(want, effects);
                 }
+                self.host.insert(
+                    id,
+                    want,
+                    HostBlock {
+                        data: data.clone(),
+                        parent: before,
+                    },
+                );
+                self.counters.host_stored += 1;
                 run.keys.push(*key);
                 done.stored += 1;
             }
             before = Some(*key);
         }
         run.flush(effects);
-        Ok(done)
+        done
+    }
+
+    /// Stores straight into the lower tiers a block fits; a block counts as present when
+    /// every one of them had it.
+    fn offload_lower(
+        &mut self,
+        layout: LayoutId,
+        parent: Option<BlockKey>,
+        blocks: &[(BlockKey, Bytes)],
+        (want, tokens): (u64, u32),
+        effects: &mut Vec<Effect>,
+    ) -> Offloaded {
+        let mut runs = LOWER_TIERS.map(|tier| Run::new(layout, tier, parent, tokens));
+        let mut done = Offloaded::default();
+        let mut before = parent;
+        for (key, data) in blocks {
+            let id = BlockId { layout, key: *key };
+            let mut stored = false;
+            for (lower, run) in self.lower.iter_mut().zip(&mut runs) {
+                if !lower.set.fits(want) {
+                    continue;
+                }
+                if lower.set.touch(&id) {
+                    run.skip(*key, effects);
+                    continue;
+                }
+                if lower.set.free() < want {
+                    run.flush(effects);
+                }
+                lower.insert(id, want, before, data, effects);
+                run.keys.push(*key);
+                stored = true;
+            }
+            if stored {
+                done.stored += 1;
+            } else {
+                done.present += 1;
+            }
+            before = Some(*key);
+        }
+        for run in &mut runs {
+            run.flush(effects);
+        }
+        done
     }
 
     /// Evicts host blocks, least recently used first, until `bytes` fit; each is demoted.
@@ -339,43 +484,33 @@ impl BlockStore {
             };
             self.counters.host_evicted += 1;
             effects.push(removed(victim, Tier::Host));
-            self.demote(victim, gone.bytes, gone.value, effects);
+            self.demote(victim, gone.bytes, &gone.value, effects);
         }
     }
 
-    fn demote(&mut self, id: BlockId, bytes: u64, block: HostBlock, effects: &mut Vec<Effect>) {
-        if self.remote.touch(&id) || !self.remote.fits(bytes) {
-            return;
+    /// Writes a block leaving host memory to every lower tier that fits it and lacks it.
+    fn demote(&mut self, id: BlockId, bytes: u64, block: &HostBlock, effects: &mut Vec<Effect>) {
+        let token_count = self.layouts.get(id.layout).map_or(0, |l| l.block_size);
+        let mut written = false;
+        for lower in &mut self.lower {
+            if lower.set.touch(&id) || !lower.set.fits(bytes) {
+                continue;
+            }
+            lower.insert(id, bytes, block.parent, &block.data, effects);
+            written = true;
+            effects.push(Effect::Publish {
+                layout: id.layout,
+                event: KvEvent::Stored {
+                    keys: vec![id.key],
+                    parent: block.parent,
+                    tier: lower.tier,
+                    lora: None,
+                    token_count,
+                },
+            });
         }
-        self.make_remote_room(bytes, effects);
-        self.remote.insert(id, bytes, block.parent);
-        self.counters.demoted += 1;
-        self.counters.remote_stored += 1;
-        effects.push(Effect::RemotePut {
-            id,
-            data: block.data,
-        });
-        effects.push(Effect::Publish {
-            layout: id.layout,
-            event: KvEvent::Stored {
-                keys: vec![id.key],
-                parent: block.parent,
-                tier: Tier::Remote,
-                lora: None,
-                token_count: self.layouts.get(id.layout).map_or(0, |l| l.block_size),
-            },
-        });
-    }
-
-    fn make_remote_room(&mut self, bytes: u64, effects: &mut Vec<Effect>) {
-        while self.remote.free() < bytes {
-            let Some(victim) = self.remote.oldest() else {
-                return;
-            };
-            self.remote.remove(&victim);
-            self.counters.remote_evicted += 1;
-            effects.push(Effect::RemoteDelete { id: victim });
-            effects.push(removed(victim, Tier::Remote));
+        if written {
+            self.counters.demoted += 1;
         }
     }
 
@@ -387,7 +522,7 @@ impl BlockStore {
         for key in keys {
             let id = BlockId { layout, key: *key };
             let in_host = self.host.contains(&id);
-            if !in_host && !self.remote.contains(&id) {
+            if !in_host && !self.lower.iter().any(|l| l.set.contains(&id)) {
                 break;
             }
             host_run &= in_host;
@@ -397,9 +532,10 @@ impl BlockStore {
         Ok(found)
     }
 
-    /// The leading blocks of `keys` the store holds, each with where it is; host blocks are
-    /// touched. Remote blocks are fetched by the edge, which then calls
-    /// [`BlockStore::promote`] or [`BlockStore::remote_lost`].
+    /// The leading blocks of `keys` the store holds, each with where it is (host memory
+    /// first, then disk, then remote); the tier that has it is touched. Lower-tier blocks
+    /// are read by the edge, which then calls [`BlockStore::promote`] or
+    /// [`BlockStore::lost`].
     pub fn onboard(
         &mut self,
         layout: LayoutId,
@@ -417,23 +553,31 @@ impl BlockStore {
                     .unwrap_or_default();
                 out.push(Found::Host(data));
                 self.counters.onboarded_host += 1;
-            } else if self.remote.touch(&id) {
-                out.push(Found::Remote);
             } else {
-                break;
+                // Disk before remote: the first lower tier that has it serves it.
+                match self
+                    .lower
+                    .iter_mut()
+                    .find_map(|l| l.set.touch(&id).then_some(l.tier))
+                {
+                    Some(Tier::Disk) => out.push(Found::Disk),
+                    Some(_) => out.push(Found::Remote),
+                    None => break,
+                }
             }
         }
         self.counters.onboards += 1;
         Ok(out)
     }
 
-    /// Copies a block fetched from the remote store into host memory (it stays in remote).
-    /// Does nothing when host memory is disabled, the block is already there, or the remote
-    /// index no longer has it (it was evicted while the fetch ran: the bytes are still good,
-    /// but the store keeps to what it accounts).
+    /// Copies a block read back from a lower tier (`from`) into host memory (it stays where
+    /// it was). Does nothing when host memory is disabled, the block is already there, or
+    /// `from`'s index no longer has it (it was evicted while the read ran: the bytes are
+    /// still good, but the store keeps to what it accounts).
     pub fn promote(
         &mut self,
         id: BlockId,
+        from: Tier,
         data: Bytes,
         effects: &mut Vec<Effect>,
     ) -> Result<(), StoreError> {
@@ -445,9 +589,12 @@ impl BlockStore {
                 want,
             });
         }
-        // The fetch succeeded: it counts even if the block is not kept in host memory below.
-        self.counters.onboarded_remote += 1;
-        let Some(parent) = self.remote.get(&id).map(|r| r.value) else {
+        let Some(lower) = self.lower_mut(from) else {
+            return Ok(());
+        };
+        // The read succeeded: it counts even if the block is not kept in host memory below.
+        lower.counters.onboarded += 1;
+        let Some(parent) = lower.set.get(&id).map(|r| r.value) else {
             return Ok(());
         };
         if !self.host.fits(want) || self.host.contains(&id) {
@@ -469,20 +616,29 @@ impl BlockStore {
         Ok(())
     }
 
-    /// The remote store no longer has `id` (evicted by its own memory policy, or deleted by
-    /// someone else): forget it.
-    pub fn remote_lost(&mut self, id: BlockId, effects: &mut Vec<Effect>) {
-        if self.remote.remove(&id).is_some() {
-            self.counters.remote_lost += 1;
-            effects.push(removed(id, Tier::Remote));
+    /// A lower tier no longer has `id` (a file gone or a write that failed; a key the remote
+    /// store evicted by its own memory policy or someone deleted): forget it there. Nothing
+    /// happens for host memory, which the store holds itself.
+    pub fn lost(&mut self, id: BlockId, tier: Tier, effects: &mut Vec<Effect>) {
+        let Some(lower) = self.lower_mut(tier) else {
+            return;
+        };
+        if lower.set.remove(&id).is_some() {
+            lower.counters.lost += 1;
+            effects.push(removed(id, tier));
         }
     }
 
-    /// Drops every block of both tiers (the remote copies are deleted too).
+    /// Drops every block of every tier (the lower tiers' copies are deleted too).
     pub fn clear(&mut self, effects: &mut Vec<Effect>) {
         self.host.clear();
-        for id in self.remote.clear() {
-            effects.push(Effect::RemoteDelete { id });
+        for lower in &mut self.lower {
+            for id in lower.set.clear() {
+                effects.push(Effect::Delete {
+                    tier: lower.tier,
+                    id,
+                });
+            }
         }
         for (layout, _) in self.layouts.iter() {
             effects.push(Effect::Publish {
@@ -497,32 +653,37 @@ impl BlockStore {
         let of = |id: BlockId| (id.layout == layout).then_some(id.key);
         match tier {
             Tier::Host => self.host.ids().filter_map(of).collect(),
-            Tier::Remote => self.remote.ids().filter_map(of).collect(),
-            Tier::Gpu | Tier::Disk => Vec::new(),
+            Tier::Gpu => Vec::new(),
+            lower => self
+                .lower(lower)
+                .map_or_else(Vec::new, |l| l.set.ids().filter_map(of).collect()),
         }
     }
 
-    /// Host memory occupancy.
-    pub fn host_usage(&self) -> TierUsage {
-        TierUsage {
-            blocks: self.host.len() as u64,
-            bytes: self.host.used(),
-            capacity: self.host.capacity(),
-        }
-    }
-
-    /// Remote occupancy (this node's share).
-    pub fn remote_usage(&self) -> TierUsage {
-        TierUsage {
-            blocks: self.remote.len() as u64,
-            bytes: self.remote.used(),
-            capacity: self.remote.capacity(),
+    /// A tier's occupancy (this node's share of the remote store; nothing for GPU memory).
+    pub fn usage(&self, tier: Tier) -> TierUsage {
+        let of = |blocks: usize, bytes, capacity| TierUsage {
+            blocks: blocks as u64,
+            bytes,
+            capacity,
+        };
+        match tier {
+            Tier::Host => of(self.host.len(), self.host.used(), self.host.capacity()),
+            Tier::Gpu => TierUsage::default(),
+            lower => self.lower(lower).map_or_else(TierUsage::default, |l| {
+                of(l.set.len(), l.set.used(), l.set.capacity())
+            }),
         }
     }
 
     /// Counters since start.
     pub fn counters(&self) -> StoreCounters {
-        self.counters
+        let of = |tier| self.lower(tier).map(|l| l.counters).unwrap_or_default();
+        StoreCounters {
+            disk: of(Tier::Disk),
+            remote: of(Tier::Remote),
+            ..self.counters
+        }
     }
 }
 

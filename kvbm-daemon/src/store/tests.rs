@@ -1,4 +1,4 @@
-//! The store against a naive model (two LRU lists), and its events against a receiver.
+//! The store against a naive model (three LRU lists), and its events against a receiver.
 
 use std::collections::{HashMap, HashSet};
 
@@ -34,13 +34,14 @@ fn id(layout: u32, key: u64) -> BlockId {
     }
 }
 
-/// Two LRU lists, least recently used first, written the obvious way.
+/// Three LRU lists (host, disk, remote), least recently used first, written the obvious way.
 #[derive(Debug, Default)]
 struct Model {
     host_cap: u64,
-    remote_cap: u64,
+    /// Disk, then remote.
+    lower_cap: [u64; 2],
     host: Vec<(BlockId, u64)>,
-    remote: Vec<(BlockId, u64)>,
+    lower: [Vec<(BlockId, u64)>; 2],
 }
 
 fn used(list: &[(BlockId, u64)]) -> u64 {
@@ -58,21 +59,27 @@ fn bump(list: &mut Vec<(BlockId, u64)>, id: BlockId) -> bool {
     }
 }
 
+fn has(list: &[(BlockId, u64)], id: BlockId) -> bool {
+    list.iter().any(|(i, _)| *i == id)
+}
+
 impl Model {
-    fn put_remote(&mut self, id: BlockId, bytes: u64) {
-        if bump(&mut self.remote, id) || bytes > self.remote_cap {
+    /// Touches or inserts (nothing when the tier cannot hold the block at all).
+    fn put_lower(&mut self, i: usize, id: BlockId, bytes: u64) {
+        if bump(&mut self.lower[i], id) || bytes > self.lower_cap[i] {
             return;
         }
-        while used(&self.remote) + bytes > self.remote_cap {
-            self.remote.remove(0);
+        while used(&self.lower[i]) + bytes > self.lower_cap[i] {
+            self.lower[i].remove(0);
         }
-        self.remote.push((id, bytes));
+        self.lower[i].push((id, bytes));
     }
 
     fn put_host(&mut self, id: BlockId, bytes: u64) {
         while used(&self.host) + bytes > self.host_cap {
             let (victim, b) = self.host.remove(0);
-            self.put_remote(victim, b);
+            self.put_lower(0, victim, b);
+            self.put_lower(1, victim, b);
         }
         self.host.push((id, bytes));
     }
@@ -81,34 +88,42 @@ impl Model {
         let mut out = Offloaded::default();
         for k in keys {
             let id = id(layout, *k);
-            let to_host = bytes <= self.host_cap;
-            let present = if to_host {
-                bump(&mut self.host, id)
-            } else {
-                bump(&mut self.remote, id)
-            };
-            if present {
-                out.present += 1;
+            if bytes <= self.host_cap {
+                if bump(&mut self.host, id) {
+                    out.present += 1;
+                } else {
+                    out.stored += 1;
+                    self.put_host(id, bytes);
+                }
                 continue;
             }
-            out.stored += 1;
-            if to_host {
-                self.put_host(id, bytes);
+            let mut stored = false;
+            for i in 0..2 {
+                if bytes <= self.lower_cap[i] && !has(&self.lower[i], id) {
+                    stored = true;
+                }
+                self.put_lower(i, id, bytes);
+            }
+            if stored {
+                out.stored += 1;
             } else {
-                self.put_remote(id, bytes);
+                out.present += 1;
             }
         }
         out
     }
 
-    fn onboard(&mut self, layout: u32, keys: &[u64]) -> Vec<bool> {
+    /// Per block found: 0 host, 1 disk, 2 remote.
+    fn onboard(&mut self, layout: u32, keys: &[u64]) -> Vec<usize> {
         let mut out = Vec::new();
         for k in keys {
             let id = id(layout, *k);
             if bump(&mut self.host, id) {
-                out.push(true);
-            } else if bump(&mut self.remote, id) {
-                out.push(false);
+                out.push(0);
+            } else if bump(&mut self.lower[0], id) {
+                out.push(1);
+            } else if bump(&mut self.lower[1], id) {
+                out.push(2);
             } else {
                 break;
             }
@@ -116,20 +131,19 @@ impl Model {
         out
     }
 
-    fn promote(&mut self, id: BlockId, bytes: u64) {
-        let in_remote = self.remote.iter().any(|(i, _)| *i == id);
-        let in_host = self.host.iter().any(|(i, _)| *i == id);
-        if in_remote && !in_host && bytes <= self.host_cap {
+    fn promote(&mut self, id: BlockId, from: usize, bytes: u64) {
+        if has(&self.lower[from], id) && !has(&self.host, id) && bytes <= self.host_cap {
             self.put_host(id, bytes);
         }
     }
 }
 
-/// Applies the store's events and remote effects, as the EPP and Redis would see them.
+/// Applies the store's events and lower-tier effects, as the EPP, the disk and Redis would
+/// see them.
 #[derive(Debug, Default)]
 struct Receiver {
     resident: HashSet<(BlockId, Tier)>,
-    redis: HashMap<BlockId, Bytes>,
+    written: HashMap<(Tier, BlockId), Bytes>,
 }
 
 impl Receiver {
@@ -158,11 +172,18 @@ impl Receiver {
                     }
                     other => panic!("unexpected event {other:?}"),
                 },
-                Effect::RemotePut { id, data } => {
-                    assert!(self.redis.insert(id, data).is_none(), "put twice: {id:?}");
+                Effect::Write { tier, id, data } => {
+                    assert!(LOWER_TIERS.contains(&tier));
+                    assert!(
+                        self.written.insert((tier, id), data).is_none(),
+                        "written twice: {tier:?} {id:?}"
+                    );
                 }
-                Effect::RemoteDelete { id } => {
-                    assert!(self.redis.remove(&id).is_some(), "deleted but absent");
+                Effect::Delete { tier, id } => {
+                    assert!(
+                        self.written.remove(&(tier, id)).is_some(),
+                        "deleted but absent: {tier:?} {id:?}"
+                    );
                 }
             }
         }
@@ -174,8 +195,8 @@ enum Op {
     Offload { layout: u32, keys: Vec<u64> },
     Onboard { layout: u32, keys: Vec<u64> },
     Lookup { layout: u32, keys: Vec<u64> },
-    Promote { layout: u32, key: u64 },
-    Lost { layout: u32, key: u64 },
+    Promote { layout: u32, key: u64, from: usize },
+    Lost { layout: u32, key: u64, from: usize },
     Clear,
 }
 
@@ -185,8 +206,10 @@ fn op() -> impl Strategy<Value = Op> {
         6 => (0u32..2, keys()).prop_map(|(layout, keys)| Op::Offload { layout, keys }),
         3 => (0u32..2, keys()).prop_map(|(layout, keys)| Op::Onboard { layout, keys }),
         2 => (0u32..2, keys()).prop_map(|(layout, keys)| Op::Lookup { layout, keys }),
-        2 => (0u32..2, 0u64..16).prop_map(|(layout, key)| Op::Promote { layout, key }),
-        1 => (0u32..2, 0u64..16).prop_map(|(layout, key)| Op::Lost { layout, key }),
+        2 => (0u32..2, 0u64..16, 0usize..2)
+            .prop_map(|(layout, key, from)| Op::Promote { layout, key, from }),
+        1 => (0u32..2, 0u64..16, 0usize..2)
+            .prop_map(|(layout, key, from)| Op::Lost { layout, key, from }),
         1 => Just(Op::Clear),
     ]
 }
@@ -194,20 +217,22 @@ fn op() -> impl Strategy<Value = Op> {
 /// Layout 0 has 8-byte blocks, layout 1 16-byte ones.
 const BYTES: [u64; 2] = [8, 16];
 
-fn check(host_cap: u64, remote_cap: u64, ops: Vec<Op>) -> Result<(), TestCaseError> {
+fn check(host_cap: u64, lower_cap: [u64; 2], ops: Vec<Op>) -> Result<(), TestCaseError> {
     let mut store = BlockStore::new(StoreConfig {
         host_bytes: host_cap,
-        remote_bytes: remote_cap,
+        disk_bytes: lower_cap[0],
+        remote_bytes: lower_cap[1],
     });
     let mut model = Model {
         host_cap,
-        remote_cap,
+        lower_cap,
         ..Model::default()
     };
     let mut rx = Receiver::default();
+    let largest = host_cap.max(lower_cap[0]).max(lower_cap[1]);
     for (i, b) in BYTES.iter().enumerate() {
         let r = store.register(layout(i as u32, *b));
-        if *b > host_cap.max(remote_cap) {
+        if *b > largest {
             let too_large = matches!(r, Err(StoreError::Layout(LayoutError::TooLarge { .. })));
             prop_assert!(too_large);
             return Ok(());
@@ -231,16 +256,21 @@ fn check(host_cap: u64, remote_cap: u64, ops: Vec<Op>) -> Result<(), TestCaseErr
                 let got = store.onboard(LayoutId(layout), &k).unwrap();
                 let want = model.onboard(layout, &keys);
                 prop_assert_eq!(got.len(), want.len());
-                for ((found, in_host), key) in got.iter().zip(&want).zip(&keys) {
+                for ((found, tier), key) in got.iter().zip(&want).zip(&keys) {
                     match found {
                         Found::Host(d) => {
-                            prop_assert!(*in_host);
+                            prop_assert_eq!(*tier, 0);
                             prop_assert_eq!(d, &data(*key, BYTES[layout as usize]));
                         }
-                        Found::Remote => {
-                            prop_assert!(!*in_host);
-                            // What the edge would fetch is there.
-                            prop_assert!(rx.redis.contains_key(&id(layout, *key)));
+                        Found::Disk | Found::Remote => {
+                            let t = if matches!(found, Found::Disk) { 1 } else { 2 };
+                            prop_assert_eq!(*tier, t);
+                            // What the edge would read is there.
+                            let at = (LOWER_TIERS[t - 1], id(layout, *key));
+                            prop_assert_eq!(
+                                rx.written.get(&at),
+                                Some(&data(*key, BYTES[layout as usize]))
+                            );
                         }
                     }
                 }
@@ -248,52 +278,59 @@ fn check(host_cap: u64, remote_cap: u64, ops: Vec<Op>) -> Result<(), TestCaseErr
             Op::Lookup { layout, keys } => {
                 let k: Vec<BlockKey> = keys.iter().map(|k| BlockKey(*k)).collect();
                 let got = store.lookup(LayoutId(layout), &k).unwrap();
-                let in_host = |k: &u64| model.host.iter().any(|(i, _)| *i == id(layout, *k));
+                let in_host = |k: &u64| has(&model.host, id(layout, *k));
                 let in_any =
-                    |k: &u64| in_host(k) || model.remote.iter().any(|(i, _)| *i == id(layout, *k));
+                    |k: &u64| in_host(k) || model.lower.iter().any(|l| has(l, id(layout, *k)));
                 let want = Lookup {
                     host: keys.iter().take_while(|k| in_host(k)).count() as u32,
                     any: keys.iter().take_while(|k| in_any(k)).count() as u32,
                 };
                 prop_assert_eq!(got, want);
             }
-            Op::Promote { layout, key } => {
+            Op::Promote { layout, key, from } => {
                 let b = BYTES[layout as usize];
                 store
-                    .promote(id(layout, key), data(key, b), &mut fx)
+                    .promote(id(layout, key), LOWER_TIERS[from], data(key, b), &mut fx)
                     .unwrap();
-                model.promote(id(layout, key), b);
+                model.promote(id(layout, key), from, b);
             }
-            Op::Lost { layout, key } => {
-                store.remote_lost(id(layout, key), &mut fx);
-                model.remote.retain(|(i, _)| *i != id(layout, key));
-                // The remote store lost it: the receiver's Redis too.
-                rx.redis.remove(&id(layout, key));
+            Op::Lost { layout, key, from } => {
+                store.lost(id(layout, key), LOWER_TIERS[from], &mut fx);
+                model.lower[from].retain(|(i, _)| *i != id(layout, key));
+                // The tier lost it: the receiver's copy too.
+                rx.written.remove(&(LOWER_TIERS[from], id(layout, key)));
             }
             Op::Clear => {
                 store.clear(&mut fx);
                 model.host.clear();
-                model.remote.clear();
+                model.lower = Default::default();
             }
         }
         rx.apply(fx);
         let host: Vec<BlockId> = model.host.iter().map(|(i, _)| *i).collect();
-        let remote: Vec<BlockId> = model.remote.iter().map(|(i, _)| *i).collect();
         prop_assert_eq!(store.host.ids().collect::<Vec<_>>(), host.clone());
-        prop_assert_eq!(store.remote.ids().collect::<Vec<_>>(), remote.clone());
-        prop_assert!(store.host.used() <= host_cap && store.remote.used() <= remote_cap);
+        prop_assert!(store.host.used() <= host_cap);
         prop_assert_eq!(store.host.used(), used(&model.host));
-        // Events and remote effects describe the residency exactly.
         let mut want: HashSet<(BlockId, Tier)> = host.iter().map(|i| (*i, Tier::Host)).collect();
-        want.extend(remote.iter().map(|i| (*i, Tier::Remote)));
+        let mut written = HashSet::new();
+        for (i, tier) in LOWER_TIERS.into_iter().enumerate() {
+            let ids: Vec<BlockId> = model.lower[i].iter().map(|(id, _)| *id).collect();
+            prop_assert_eq!(store.lower[i].set.ids().collect::<Vec<_>>(), ids.clone());
+            prop_assert!(store.lower[i].set.used() <= lower_cap[i]);
+            prop_assert_eq!(store.usage(tier).bytes, used(&model.lower[i]));
+            want.extend(ids.iter().map(|id| (*id, tier)));
+            written.extend(ids.iter().map(|id| (tier, *id)));
+        }
+        // Events and lower-tier effects describe the residency exactly.
         prop_assert_eq!(&rx.resident, &want);
-        let in_redis: HashSet<BlockId> = rx.redis.keys().copied().collect();
-        prop_assert_eq!(in_redis, remote.iter().copied().collect::<HashSet<_>>());
+        prop_assert_eq!(rx.written.keys().copied().collect::<HashSet<_>>(), written);
         for l in 0..2u32 {
-            let mut r = store.resident(LayoutId(l), Tier::Host);
-            r.extend(store.resident(LayoutId(l), Tier::Remote));
+            let n: usize = [Tier::Host, Tier::Disk, Tier::Remote]
+                .into_iter()
+                .map(|t| store.resident(LayoutId(l), t).len())
+                .sum();
             prop_assert_eq!(
-                r.len(),
+                n,
                 want.iter().filter(|(i, _)| i.layout == LayoutId(l)).count()
             );
         }
@@ -307,10 +344,11 @@ proptest! {
     #[test]
     fn store_matches_the_model_and_its_events(
         host_blocks in 0u64..8,
+        disk_blocks in 0u64..6,
         remote_blocks in 0u64..10,
         ops in proptest::collection::vec(op(), 1..60),
     ) {
-        check(host_blocks * 8, remote_blocks * 8, ops)?;
+        check(host_blocks * 8, [disk_blocks * 8, remote_blocks * 8], ops)?;
     }
 }
 
@@ -318,6 +356,7 @@ proptest! {
 fn an_offload_is_validated_before_anything_changes() {
     let mut store = BlockStore::new(StoreConfig {
         host_bytes: 64,
+        disk_bytes: 0,
         remote_bytes: 0,
     });
     let l = store.register(layout(0, 8)).unwrap();
@@ -332,7 +371,7 @@ fn an_offload_is_validated_before_anything_changes() {
         })
     );
     assert!(fx.is_empty());
-    assert_eq!(store.host_usage().blocks, 0);
+    assert_eq!(store.usage(Tier::Host).blocks, 0);
     assert_eq!(
         store.offload(LayoutId(9), None, &blocks[..1], &mut fx),
         Err(StoreError::UnknownLayout(9))
@@ -343,6 +382,7 @@ fn an_offload_is_validated_before_anything_changes() {
 fn a_chain_is_one_stored_event_with_its_parent_and_tokens() {
     let mut store = BlockStore::new(StoreConfig {
         host_bytes: 64,
+        disk_bytes: 0,
         remote_bytes: 64,
     });
     let l = store.register(layout(0, 8)).unwrap();
@@ -377,6 +417,7 @@ fn a_chain_is_one_stored_event_with_its_parent_and_tokens() {
 fn host_eviction_demotes_to_remote_with_the_blocks_parent() {
     let mut store = BlockStore::new(StoreConfig {
         host_bytes: 16,
+        disk_bytes: 0,
         remote_bytes: 64,
     });
     let l = store.register(layout(0, 8)).unwrap();
@@ -384,7 +425,8 @@ fn host_eviction_demotes_to_remote_with_the_blocks_parent() {
     let blocks: Vec<_> = (1..=3).map(|k| (BlockKey(k), data(k, 8))).collect();
     store.offload(l, None, &blocks, &mut fx).unwrap();
     // Block 1 left host memory for the remote store, keeping its place in the chain.
-    assert!(fx.contains(&Effect::RemotePut {
+    assert!(fx.contains(&Effect::Write {
+        tier: Tier::Remote,
         id: id(0, 1),
         data: data(1, 8)
     }));
@@ -408,7 +450,9 @@ fn host_eviction_demotes_to_remote_with_the_blocks_parent() {
     let found = store.onboard(l, &[BlockKey(1), BlockKey(2)]).unwrap();
     assert_eq!(found, vec![Found::Remote, Found::Host(data(2, 8))]);
     fx.clear();
-    store.promote(id(0, 1), data(1, 8), &mut fx).unwrap();
+    store
+        .promote(id(0, 1), Tier::Remote, data(1, 8), &mut fx)
+        .unwrap();
     assert_eq!(
         store.lookup(l, &[BlockKey(1)]),
         Ok(Lookup { host: 1, any: 1 })
@@ -418,4 +462,118 @@ fn host_eviction_demotes_to_remote_with_the_blocks_parent() {
         vec![BlockKey(2), BlockKey(1)]
     );
     assert_eq!(store.counters().demoted, 2);
+}
+
+#[test]
+fn host_evictions_go_to_disk_and_remote_and_onboards_prefer_disk() {
+    let mut store = BlockStore::new(StoreConfig {
+        host_bytes: 8,
+        disk_bytes: 16,
+        remote_bytes: 64,
+    });
+    let l = store.register(layout(0, 8)).unwrap();
+    let mut fx = Vec::new();
+    let blocks: Vec<_> = (1..=3).map(|k| (BlockKey(k), data(k, 8))).collect();
+    store.offload(l, None, &blocks, &mut fx).unwrap();
+    // Blocks 1 and 2 left host memory for both lower tiers.
+    for tier in LOWER_TIERS {
+        for k in [1, 2] {
+            assert!(fx.contains(&Effect::Write {
+                tier,
+                id: id(0, k),
+                data: data(k, 8)
+            }));
+        }
+        assert_eq!(store.resident(l, tier), vec![BlockKey(1), BlockKey(2)]);
+    }
+    assert_eq!(store.counters().demoted, 2);
+    let chain = [BlockKey(1), BlockKey(2), BlockKey(3)];
+    assert_eq!(store.lookup(l, &chain), Ok(Lookup { host: 0, any: 3 }));
+    assert_eq!(store.onboard(l, &chain[..1]).unwrap(), vec![Found::Disk]);
+    // Block 3 is demoted next; the disk (two blocks) evicts 2, which it used least recently
+    // since the onboard touched 1, and only deletes its own copy.
+    fx.clear();
+    store
+        .offload(l, Some(BlockKey(3)), &[(BlockKey(4), data(4, 8))], &mut fx)
+        .unwrap();
+    assert!(fx.contains(&Effect::Delete {
+        tier: Tier::Disk,
+        id: id(0, 2)
+    }));
+    assert!(!fx.iter().any(|e| matches!(
+        e,
+        Effect::Delete {
+            tier: Tier::Remote,
+            ..
+        }
+    )));
+    assert_eq!(
+        store.onboard(l, &chain).unwrap(),
+        vec![Found::Disk, Found::Remote, Found::Disk]
+    );
+    // Read back from disk, block 1 returns to host memory and block 4 is demoted (it is
+    // touched in neither lower tier: both write it).
+    fx.clear();
+    store
+        .promote(id(0, 1), Tier::Disk, data(1, 8), &mut fx)
+        .unwrap();
+    assert_eq!(store.resident(l, Tier::Host), vec![BlockKey(1)]);
+    assert_eq!(store.counters().disk.onboarded, 1);
+    assert_eq!(store.counters().disk.evicted, 2);
+    // A file found gone is forgotten with a Removed for the disk only.
+    fx.clear();
+    store.lost(id(0, 3), Tier::Disk, &mut fx);
+    assert_eq!(
+        fx,
+        vec![Effect::Publish {
+            layout: l,
+            event: KvEvent::Removed {
+                keys: vec![BlockKey(3)],
+                tier: Tier::Disk
+            }
+        }]
+    );
+    assert_eq!(store.counters().disk.lost, 1);
+}
+
+#[test]
+fn without_host_memory_a_chain_goes_to_each_lower_tier_as_one_event() {
+    let mut store = BlockStore::new(StoreConfig {
+        host_bytes: 0,
+        disk_bytes: 64,
+        remote_bytes: 64,
+    });
+    let l = store.register(layout(0, 8)).unwrap();
+    let mut fx = Vec::new();
+    let blocks: Vec<_> = (1..=2).map(|k| (BlockKey(k), data(k, 8))).collect();
+    let done = store.offload(l, None, &blocks, &mut fx).unwrap();
+    assert_eq!(
+        done,
+        Offloaded {
+            stored: 2,
+            present: 0
+        }
+    );
+    for tier in LOWER_TIERS {
+        assert!(fx.contains(&Effect::Publish {
+            layout: l,
+            event: KvEvent::Stored {
+                keys: vec![BlockKey(1), BlockKey(2)],
+                parent: None,
+                tier,
+                lora: None,
+                token_count: 8,
+            }
+        }));
+    }
+    fx.clear();
+    let again = store.offload(l, None, &blocks, &mut fx).unwrap();
+    assert_eq!(
+        again,
+        Offloaded {
+            stored: 0,
+            present: 2
+        }
+    );
+    assert!(fx.is_empty());
 }
