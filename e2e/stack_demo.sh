@@ -16,7 +16,7 @@ cd "$root"
 # rebuilds what `cargo build -p <crate>` already built.
 for pkg in kvgate-epp kvgate-sidecar kvgate-kvbm kvgate-e2e; do cargo build -q "${flag[@]}" -p "$pkg" --bins; done
 out=$(mktemp /tmp/kvgate-stack-demo.XXXXXX)
-"$target/$profile/kvgate-bench" up --engines 3 --kvbm > "$out" 2>"$out.err" &
+"$target/$profile/kvgate-bench" up --engines 3 --kvbm --kvbm-disk-mib 256 > "$out" 2>"$out.err" &
 up=$!
 cleanup() { kill -INT "$up" 2>/dev/null || true; wait "$up" 2>/dev/null || true; rm -f "$out" "$out.err"; }
 trap cleanup EXIT
@@ -58,6 +58,7 @@ for name in kvgate_kvbm_nats_connected kvgate_kvbm_tier_capacity_bytes kvgate_kv
   echo "$name $(echo "$k" | awk -v n="$name" '$1 ~ "^"n"({|$)" {s+=$2} END {print s+0}')"
 done
 [ "$(echo "$k" | awk '$1 == "kvgate_kvbm_nats_connected" {print $2}')" = 1 ] || fail "the block manager is not on NATS"
+[ "$(echo "$k" | awk '$1 == "kvgate_kvbm_tier_capacity_bytes{tier=\"disk\"}" {print $2}')" = 268435456 ] || fail "the block manager has no 256 MiB disk tier"
 run_dir=$(awk '/run dir/ {print $3}' "$out")
 kill -INT "$up"; wait "$up" || fail "kvgate-bench up did not exit cleanly on Ctrl-C"
 trap - EXIT

@@ -46,12 +46,61 @@ impl Drop for TempDir {
 
 /// nats-server, redis-server and kvgate-kvbm with a host tier of `host_bytes`.
 fn stack(host_bytes: u64) -> Stack {
+    stack_in(test_dir(), host_bytes, &[])
+}
+
+/// A fresh directory for one test's stack.
+fn test_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!(
         "kvgate-kvbm-test-{}-{}",
         std::process::id(),
         free_port()
     ));
     std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The daemon's arguments for a stack in `dir`.
+fn kvbm_args(
+    dir: &std::path::Path,
+    nats_url: &str,
+    redis_port: u16,
+    metrics_port: u16,
+    host_bytes: u64,
+) -> Vec<String> {
+    [
+        "--node",
+        "node-a",
+        "--model",
+        "qwen3",
+        "--block-size",
+        "16",
+        "--namespace",
+        "ns",
+        "--metrics-bind",
+        "127.0.0.1",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .chain([
+        "--socket".into(),
+        dir.join("kvbm.sock").display().to_string(),
+        "--metrics-port".into(),
+        metrics_port.to_string(),
+        "--nats-url".into(),
+        nats_url.into(),
+        "--host-bytes".into(),
+        host_bytes.to_string(),
+        "--remote-url".into(),
+        format!("redis://127.0.0.1:{redis_port}"),
+        "--remote-bytes".into(),
+        (64 * BLOCK).to_string(),
+    ])
+    .collect()
+}
+
+/// A stack in `dir`, the daemon given `extra` arguments too.
+fn stack_in(dir: PathBuf, host_bytes: u64, extra: &[String]) -> Stack {
     let nats_port = free_port();
     let nats = nats_server(nats_port);
     let redis_port = free_port();
@@ -59,33 +108,9 @@ fn stack(host_bytes: u64) -> Stack {
     let metrics_port = free_port();
     let socket = dir.join("kvbm.sock");
     let nats_url = format!("nats://127.0.0.1:{nats_port}");
-    let kvbm = Proc::spawn(
-        env!("CARGO_BIN_EXE_kvgate-kvbm"),
-        &[
-            "--node".into(),
-            "node-a".into(),
-            "--model".into(),
-            "qwen3".into(),
-            "--block-size".into(),
-            "16".into(),
-            "--namespace".into(),
-            "ns".into(),
-            "--socket".into(),
-            socket.display().to_string(),
-            "--metrics-bind".into(),
-            "127.0.0.1".into(),
-            "--metrics-port".into(),
-            metrics_port.to_string(),
-            "--nats-url".into(),
-            nats_url.clone(),
-            "--host-bytes".into(),
-            host_bytes.to_string(),
-            "--remote-url".into(),
-            format!("redis://127.0.0.1:{redis_port}"),
-            "--remote-bytes".into(),
-            (64 * BLOCK).to_string(),
-        ],
-    );
+    let mut args = kvbm_args(&dir, &nats_url, redis_port, metrics_port, host_bytes);
+    args.extend_from_slice(extra);
+    let kvbm = Proc::spawn(env!("CARGO_BIN_EXE_kvgate-kvbm"), &args);
     wait_port(metrics_port, "kvgate-kvbm");
     Stack {
         _nats: nats,
@@ -512,4 +537,123 @@ async fn a_fresh_start_announces_itself_with_cleared_and_answers_snapshots_at_on
     assert_eq!(chunk.source.model, "qwen3");
     // The epoch's first envelope is a Cleared: published as soon as NATS is up.
     assert!(chunk.next_seq >= 1, "the start-of-life Cleared was sealed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_disk_tier_keeps_demoted_blocks_and_serves_them_first() {
+    let dir = test_dir();
+    let disk = dir.join("disk");
+    std::fs::create_dir_all(&disk).unwrap();
+    // A block file a previous run left: unindexed, so removed at start.
+    let stale = disk.join("00000000000000ab-0000000000000001.blk");
+    std::fs::write(&stale, b"old").unwrap();
+    let disk_args: Vec<String> = vec![
+        "--disk-dir".into(),
+        disk.display().to_string(),
+        "--disk-bytes".into(),
+        (4 * BLOCK).to_string(),
+    ];
+    let s = stack_in(dir.clone(), 2 * BLOCK, &disk_args);
+    assert!(!stale.exists(), "the previous run's block file is removed");
+    let nats = async_nats::connect(&s.nats_url).await.unwrap();
+    let mut events = nats.subscribe("kvgate.kvbm.ns.node-a").await.unwrap();
+    nats.flush().await.unwrap();
+
+    let mut c = Client::connect(&s.socket, layout(), 8 * BLOCK)
+        .await
+        .unwrap();
+    // Six blocks into two host slots: 11–14 are demoted to both the disk and Redis.
+    let keys = [11, 12, 13, 14, 15, 16];
+    let slots = stage(&c, &keys);
+    assert_eq!(c.offload(None, slots).await.unwrap(), (6, 0));
+    let want: HashSet<(u64, Tier)> = keys[..4]
+        .iter()
+        .flat_map(|k| [(*k, Tier::Disk), (*k, Tier::Remote)])
+        .chain([(15, Tier::Host), (16, Tier::Host)])
+        .collect();
+    let mut resident = HashSet::new();
+    let mut seq = None;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while resident != want {
+        let e = next_envelope(&mut events, deadline, "the disk tier's envelopes").await;
+        apply(&mut resident, &mut seq, &e);
+    }
+    // The files land (the write queue drains in the background).
+    let files = || {
+        std::fs::read_dir(&disk)
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .ends_with(".blk")
+            })
+            .count()
+    };
+    support::wait_for("four block files", || files() == 4);
+
+    // Onboard 11 and 12 into zeroed slots: the disk serves them, not Redis.
+    for i in 0..8 {
+        c.segment()
+            .write(i * BLOCK, &vec![0; BLOCK as usize])
+            .unwrap();
+    }
+    let into: Vec<Slot> = [11, 12]
+        .iter()
+        .enumerate()
+        .map(|(i, k)| Slot {
+            key: *k,
+            offset: (i as u64 + 4) * BLOCK,
+        })
+        .collect();
+    let got = c.onboard(into.clone()).await.unwrap();
+    assert_eq!(
+        got,
+        Onboarded {
+            blocks: 2,
+            host: 0,
+            disk: 2,
+            remote: 0
+        }
+    );
+    for slot in &into {
+        assert_eq!(
+            &c.segment().read(slot.offset, BLOCK).unwrap()[..],
+            &block(slot.key)[..],
+            "block {} read back from disk intact",
+            slot.key
+        );
+    }
+    let text = metrics(s.metrics_port).await;
+    assert_eq!(
+        metric(&text, "kvgate_kvbm_onboarded_blocks_total{tier=\"disk\"}"),
+        2.0
+    );
+    assert_eq!(
+        metric(&text, "kvgate_kvbm_tier_capacity_bytes{tier=\"disk\"}"),
+        (4 * BLOCK) as f64
+    );
+    assert_eq!(metric(&text, "kvgate_kvbm_tier_blocks{tier=\"disk\"}"), 4.0);
+    // 4 KiB blocks: direct I/O wherever the file system takes it (either value is fine, but
+    // the gauge is there).
+    let direct = metric(&text, "kvgate_kvbm_disk_direct_io");
+    assert!(direct == 0.0 || direct == 1.0);
+
+    // A second daemon on the same directory is refused with the configuration exit code.
+    let mut second = kvbm_args(
+        &dir.join("second"),
+        "nats://127.0.0.1:1",
+        1,
+        free_port(),
+        BLOCK,
+    );
+    second.extend_from_slice(&disk_args);
+    let out = Command::new(env!("CARGO_BIN_EXE_kvgate-kvbm"))
+        .args(&second)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("lock"), "{stderr}");
 }

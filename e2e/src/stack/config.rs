@@ -155,6 +155,8 @@ pub struct KvbmConfig {
     pub node: String,
     /// Host-memory tier bytes.
     pub host_bytes: u64,
+    /// Disk tier bytes (in `kvbm-disk/` of the run directory); 0: no disk tier.
+    pub disk_bytes: u64,
     /// Bytes the node may keep in Redis (Redis's own `maxmemory` is set a quarter above).
     pub remote_bytes: u64,
 }
@@ -164,6 +166,7 @@ impl Default for KvbmConfig {
         Self {
             node: "local".into(),
             host_bytes: 1 << 30,
+            disk_bytes: 0,
             remote_bytes: 4 << 30,
         }
     }
@@ -223,8 +226,8 @@ impl StackConfig {
                     k.node
                 ));
             }
-            if k.host_bytes == 0 && k.remote_bytes == 0 {
-                return Err("kvbm: give host or remote bytes".into());
+            if k.host_bytes == 0 && k.disk_bytes == 0 && k.remote_bytes == 0 {
+                return Err("kvbm: give host, disk or remote bytes".into());
             }
         }
         if self.envoy_lb == EnvoyLb::OriginalDst && self.scheduler.fallbacks != 0 {

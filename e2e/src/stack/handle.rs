@@ -340,32 +340,41 @@ impl Stack {
             }
             Component::Kvbm => {
                 let k = c.kvbm.clone().unwrap_or_default();
+                let mut args = strings(&[
+                    "--node",
+                    &k.node,
+                    "--model",
+                    &c.model,
+                    "--block-size",
+                    &c.block_size.to_string(),
+                    "--namespace",
+                    &c.namespace,
+                    "--socket",
+                    &path("kvbm.sock"),
+                    "--metrics-bind",
+                    "127.0.0.1",
+                    "--metrics-port",
+                    &self.ports.kvbm_metrics.to_string(),
+                    "--nats-url",
+                    &nats_url,
+                    "--host-bytes",
+                    &k.host_bytes.to_string(),
+                    "--remote-url",
+                    &format!("redis://127.0.0.1:{}", self.ports.redis),
+                    "--remote-bytes",
+                    &k.remote_bytes.to_string(),
+                ]);
+                if k.disk_bytes > 0 {
+                    args.extend(strings(&[
+                        "--disk-dir",
+                        &path("kvbm-disk"),
+                        "--disk-bytes",
+                        &k.disk_bytes.to_string(),
+                    ]));
+                }
                 (
                     self.bins.kvbm.clone().map(|b| b.0).unwrap_or_default(),
-                    strings(&[
-                        "--node",
-                        &k.node,
-                        "--model",
-                        &c.model,
-                        "--block-size",
-                        &c.block_size.to_string(),
-                        "--namespace",
-                        &c.namespace,
-                        "--socket",
-                        &path("kvbm.sock"),
-                        "--metrics-bind",
-                        "127.0.0.1",
-                        "--metrics-port",
-                        &self.ports.kvbm_metrics.to_string(),
-                        "--nats-url",
-                        &nats_url,
-                        "--host-bytes",
-                        &k.host_bytes.to_string(),
-                        "--remote-url",
-                        &format!("redis://127.0.0.1:{}", self.ports.redis),
-                        "--remote-bytes",
-                        &k.remote_bytes.to_string(),
-                    ]),
+                    args,
                     rust_env.clone(),
                 )
             }

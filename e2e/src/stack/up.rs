@@ -84,6 +84,9 @@ pub struct UpArgs {
     /// The block manager's host-memory tier, MiB.
     #[arg(long, default_value_t = 1024)]
     pub kvbm_host_mib: u64,
+    /// The block manager's disk tier, MiB, in `kvbm-disk/` of the run directory (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub kvbm_disk_mib: u64,
     /// What the block manager may keep in Redis, MiB.
     #[arg(long, default_value_t = 4096)]
     pub kvbm_remote_mib: u64,
@@ -132,6 +135,7 @@ impl UpArgs {
             ready_timeout: Duration::from_secs(self.ready_timeout_s),
             kvbm: self.kvbm.then(|| KvbmConfig {
                 host_bytes: self.kvbm_host_mib << 20,
+                disk_bytes: self.kvbm_disk_mib << 20,
                 remote_bytes: self.kvbm_remote_mib << 20,
                 ..KvbmConfig::default()
             }),
@@ -198,11 +202,20 @@ fn announce(stack: &Stack) {
     let kvbm = match (&c.kvbm, stack.kvbm_socket()) {
         (Some(k), Some(socket)) => format!(
             "\n  kvbm:            node {}, socket {}, metrics http://127.0.0.1:{}/metrics, \
-             Redis redis://127.0.0.1:{}",
+             Redis redis://127.0.0.1:{}{}",
             k.node,
             socket.display(),
             p.kvbm_metrics,
-            p.redis
+            p.redis,
+            if k.disk_bytes > 0 {
+                format!(
+                    ", disk {} ({} MiB)",
+                    stack.run_dir().join("kvbm-disk").display(),
+                    k.disk_bytes >> 20
+                )
+            } else {
+                String::new()
+            }
         ),
         _ => String::new(),
     };
