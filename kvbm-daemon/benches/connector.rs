@@ -6,7 +6,11 @@
 //! - **host**: a connector offloading to and onboarding from the daemon's host tier through
 //!   the socket (`kvgate-kvbm` as a separate process);
 //! - **remote**: the same with a host tier of 4 blocks, so blocks are demoted to a real
-//!   `redis-server` and onboarded back from it.
+//!   `redis-server` and onboarded back from it;
+//! - **disk**: the same with a disk tier instead of Redis (in the system temp directory),
+//!   against the disk module itself in one process (`DiskDir::write`/`read` of the same
+//!   blocks, the same `O_DIRECT` probe): the time until the daemon's disk queue has drained
+//!   against the module's writes, and onboards from disk against its reads.
 //!
 //! `cargo bench -p kvgate-kvbm --bench connector`; `KVGATE_BENCH_BLOCKS` (default 256) blocks of
 //! `KVGATE_BENCH_BLOCK_MIB` (default 2: Llama-3.1-8B BF16, 16 tokens) in requests of 16.
@@ -23,7 +27,8 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kvgate_kvbm::client::Client;
+use kvgate_kvbm::client::{Client, Onboarded};
+use kvgate_kvbm::disk::{DirectIo, DiskDir, block_file_name};
 use kvgate_kvbm::protocol::Slot;
 use kvgate_kvbm::segment::{self, Segment};
 use kvgate_kvbm::store::Layout;
@@ -38,9 +43,18 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// `kvgate-kvbm` with `host_bytes` of host memory and, with `redis`, a remote tier.
-fn daemon(dir: &Path, host_bytes: u64, redis: Option<u16>) -> (Proc, PathBuf) {
-    let socket = dir.join(format!("kvbm-{host_bytes}.sock"));
+/// A running daemon: the process, its socket and its metrics port.
+struct Daemon {
+    _proc: Proc,
+    socket: PathBuf,
+    metrics_port: u16,
+}
+
+/// `kvgate-kvbm` with `host_bytes` of host memory and, with `redis`, a remote tier, with
+/// `disk`, a disk tier.
+fn daemon(dir: &Path, host_bytes: u64, redis: Option<u16>, disk: Option<&Path>) -> Daemon {
+    let socket = dir.join(format!("kvbm-{host_bytes}-{}.sock", free_port()));
+    let metrics_port = free_port();
     let mut args = vec![
         "--node".to_owned(),
         "bench".into(),
@@ -53,7 +67,7 @@ fn daemon(dir: &Path, host_bytes: u64, redis: Option<u16>) -> (Proc, PathBuf) {
         "--metrics-bind".into(),
         "127.0.0.1".into(),
         "--metrics-port".into(),
-        free_port().to_string(),
+        metrics_port.to_string(),
         // Nobody listens there: the daemon serves connectors while it retries NATS.
         "--nats-url".into(),
         format!("nats://127.0.0.1:{}", free_port()),
@@ -68,10 +82,36 @@ fn daemon(dir: &Path, host_bytes: u64, redis: Option<u16>) -> (Proc, PathBuf) {
             (64u64 << 30).to_string(),
         ]);
     }
+    if let Some(disk) = disk {
+        args.extend([
+            "--disk-dir".into(),
+            disk.display().to_string(),
+            "--disk-bytes".into(),
+            (64u64 << 30).to_string(),
+        ]);
+    }
     let proc = Proc::spawn(env!("CARGO_BIN_EXE_kvgate-kvbm"), &args);
     let s = socket.clone();
     wait_for("kvgate-kvbm", || s.exists());
-    (proc, socket)
+    Daemon {
+        _proc: proc,
+        socket,
+        metrics_port,
+    }
+}
+
+/// The sum of a metric's samples on the daemon's `/metrics`.
+fn scrape(port: u16, name: &str) -> f64 {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut page = String::new();
+    s.read_to_string(&mut page).unwrap();
+    page.lines()
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
 }
 
 /// GB/s of `bytes` moved in `d`.
@@ -79,9 +119,21 @@ fn rate(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
-/// Offloads `blocks` blocks in requests of [`PER_REQUEST`], then onboards them back in
-/// requests of the same size: (offload GB/s, onboard GB/s, blocks from remote).
-async fn round_trip(socket: &Path, block: u64, blocks: u64) -> (f64, f64, u32) {
+/// What a round trip measured.
+struct Trip {
+    /// Offload GB/s, as the connector saw it.
+    offload: f64,
+    /// GB/s from the first offload until the daemon's write queues were empty.
+    drained: f64,
+    /// Onboard GB/s.
+    onboard: f64,
+    /// Where the onboarded blocks came from.
+    from: Onboarded,
+}
+
+/// Offloads `blocks` blocks in requests of [`PER_REQUEST`], waits for the daemon's write
+/// queues to drain, then onboards them back in requests of the same size.
+async fn round_trip(d: &Daemon, block: u64, blocks: u64) -> Trip {
     let layout = Layout {
         model: "bench".into(),
         dtype: "bf16".into(),
@@ -91,7 +143,7 @@ async fn round_trip(socket: &Path, block: u64, blocks: u64) -> (f64, f64, u32) {
         shard: 0,
         shards: 1,
     };
-    let mut c = Client::connect(socket, layout, PER_REQUEST * block)
+    let mut c = Client::connect(&d.socket, layout, PER_REQUEST * block)
         .await
         .unwrap();
     for i in 0..PER_REQUEST {
@@ -113,19 +165,50 @@ async fn round_trip(socket: &Path, block: u64, blocks: u64) -> (f64, f64, u32) {
         assert_eq!(u64::from(stored), PER_REQUEST);
     }
     let offload = t.elapsed();
-    // Let the remote writer drain before reading back.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Read back only what the tiers hold, not what is still queued in memory.
+    while scrape(d.metrics_port, "kvgate_kvbm_write_queued_bytes") > 0.0 {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let drained = t.elapsed();
     let t = Instant::now();
-    let mut remote = 0;
+    let mut from = Onboarded::default();
     for r in 0..blocks / PER_REQUEST {
         let got = c.onboard(slots(r * PER_REQUEST)).await.unwrap();
-        let (n, from_remote) = (got.blocks, got.remote);
-        assert_eq!(u64::from(n), PER_REQUEST, "request {r}");
-        remote += from_remote;
+        assert_eq!(u64::from(got.blocks), PER_REQUEST, "request {r}");
+        from.blocks += got.blocks;
+        from.host += got.host;
+        from.disk += got.disk;
+        from.remote += got.remote;
     }
     let onboard = t.elapsed();
     let bytes = blocks / PER_REQUEST * PER_REQUEST * block;
-    (rate(bytes, offload), rate(bytes, onboard), remote)
+    Trip {
+        offload: rate(bytes, offload),
+        drained: rate(bytes, drained),
+        onboard: rate(bytes, onboard),
+        from,
+    }
+}
+
+/// The disk module alone, in this process: every block written to its own file, then read
+/// back. (write GB/s, read GB/s, O_DIRECT in use).
+fn disk_baseline(dir: &Path, block: u64, blocks: u64) -> (f64, f64, bool) {
+    let disk = DiskDir::open(dir, DirectIo::Auto).unwrap();
+    let n = blocks / PER_REQUEST * PER_REQUEST;
+    let data: Vec<Vec<u8>> = (0..PER_REQUEST)
+        .map(|i| vec![i as u8; block as usize])
+        .collect();
+    let name = |i: u64| block_file_name(0xbe4c, kv_events::BlockKey(i));
+    let t = Instant::now();
+    for (i, d) in (0..n).zip(data.iter().cycle()) {
+        disk.write(&name(i), d).unwrap();
+    }
+    let write = rate(n * block, t.elapsed());
+    let t = Instant::now();
+    for i in 0..n {
+        assert!(disk.read(&name(i), block).unwrap().is_some());
+    }
+    (write, rate(n * block, t.elapsed()), disk.direct())
 }
 
 /// The same volume moved by one process with no protocol: `pread` of every block into a fresh
@@ -185,23 +268,49 @@ fn main() {
         "baseline  pread into kept buffers {read:6.2} GB/s   pwrite from them {write:6.2} GB/s (one process)"
     );
 
-    let (_host, socket) = daemon(&dir, (blocks + PER_REQUEST) * block, None);
-    let (off, on, remote) = runtime.block_on(round_trip(&socket, block, blocks));
-    assert_eq!(remote, 0);
+    let host = daemon(&dir, (blocks + PER_REQUEST) * block, None, None);
+    let trip = runtime.block_on(round_trip(&host, block, blocks));
+    assert_eq!(trip.from.host, trip.from.blocks);
     println!(
-        "host      offload {off:6.2} GB/s ({:.2}× pread)      onboard {on:6.2} GB/s ({:.2}× pwrite)",
-        off / read,
-        on / write
+        "host      offload {:6.2} GB/s ({:.2}× pread)      onboard {:6.2} GB/s ({:.2}× pwrite)",
+        trip.offload,
+        trip.offload / read,
+        trip.onboard,
+        trip.onboard / write
     );
+    drop(host);
 
     let redis_port = free_port();
     let _redis = redis_server(redis_port, None);
-    let (_remote_daemon, socket) = daemon(&dir, 4 * block, Some(redis_port));
-    let (off, on, remote) = runtime.block_on(round_trip(&socket, block, blocks));
+    let remote = daemon(&dir, 4 * block, Some(redis_port), None);
+    let trip = runtime.block_on(round_trip(&remote, block, blocks));
     println!(
-        "remote    offload {off:6.2} GB/s ({:.2}× pread)      onboard {on:6.2} GB/s ({:.2}× pwrite), {remote} of {blocks} blocks from Redis",
-        off / read,
-        on / write
+        "remote    offload {:6.2} GB/s ({:.2}× pread)      onboard {:6.2} GB/s ({:.2}× pwrite), {} of {blocks} blocks from Redis",
+        trip.offload,
+        trip.offload / read,
+        trip.onboard,
+        trip.onboard / write,
+        trip.from.remote
     );
+    drop(remote);
+
+    let (disk_write, disk_read, direct) = disk_baseline(&dir.join("disk-baseline"), block, blocks);
+    let _ = std::fs::remove_dir_all(dir.join("disk-baseline"));
+    println!(
+        "disk baseline ({}) write {disk_write:6.2} GB/s   read {disk_read:6.2} GB/s (the disk module in one process)",
+        if direct { "O_DIRECT" } else { "page cache" }
+    );
+    let disk = daemon(&dir, 4 * block, None, Some(&dir.join("disk")));
+    let trip = runtime.block_on(round_trip(&disk, block, blocks));
+    println!(
+        "disk      offload {:6.2} GB/s, drained {:6.2} GB/s ({:.2}× write)   onboard {:6.2} GB/s ({:.2}× read), {} of {blocks} blocks from disk",
+        trip.offload,
+        trip.drained,
+        trip.drained / disk_write,
+        trip.onboard,
+        trip.onboard / disk_read,
+        trip.from.disk
+    );
+    drop(disk);
     let _ = std::fs::remove_dir_all(&dir);
 }
