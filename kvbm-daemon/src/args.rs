@@ -24,9 +24,10 @@ pub struct Args {
     /// Host-memory tier (G2) capacity in bytes; 0 disables it.
     #[arg(long, default_value_t = 8 << 30)]
     pub host_bytes: u64,
-    /// Directory for the disk tier (G3), one file per block; disabled when absent. The
-    /// daemon locks it, and empties it of block files at start (they are not indexed across
-    /// runs). Put it on a local NVMe file system.
+    /// Directory for the disk tier (G3), one file per block; disabled when absent. It must
+    /// belong to the daemon's user and is made private (0700); the daemon locks it, and
+    /// empties it of block files at start (they are not indexed across runs). Put it on a
+    /// local NVMe file system.
     #[arg(long)]
     pub disk_dir: Option<PathBuf>,
     /// Disk tier capacity in bytes (with `--disk-dir`); its least recently used blocks are
@@ -38,7 +39,8 @@ pub struct Args {
     /// page-cache I/O.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub disk_direct_io: bool,
-    /// Disk writes queued at most; beyond it writes are dropped and counted.
+    /// Disk puts queued at most; beyond it demotions to disk are dropped and counted (deletes
+    /// are never dropped).
     #[arg(long, default_value_t = 4096)]
     pub disk_queue: usize,
     /// Block bytes queued for the disk at most; beyond it demotions to disk are dropped and
@@ -56,7 +58,8 @@ pub struct Args {
     /// Deadline of one remote command, milliseconds.
     #[arg(long, default_value_t = 2000)]
     pub remote_timeout_ms: u64,
-    /// Remote writes queued at most; beyond it writes are dropped and counted.
+    /// Remote puts queued at most; beyond it demotions to Redis are dropped and counted
+    /// (deletes are never dropped).
     #[arg(long, default_value_t = 4096)]
     pub remote_queue: usize,
     /// Block bytes queued for the remote store at most (memory above `--host-bytes` while

@@ -26,10 +26,15 @@
 //!
 //! # Ownership
 //!
-//! [`DiskDir::open`] takes an exclusive, non-blocking lock on `<dir>/.lock`, held until the
-//! [`DiskDir`] is dropped, so two daemons never share a directory. It then removes every
-//! `*.blk` and `*.tmp` file a previous run left: the store's index starts empty, so those
+//! [`DiskDir::open`] refuses a directory that another user owns and makes its own private
+//! (mode 0700), so nobody else can plant files where blocks are read. It takes an exclusive,
+//! non-blocking lock on `<dir>/.lock`, held until the [`DiskDir`] is dropped, so two daemons
+//! never share a directory. It then removes every block file, temp file and probe file (by
+//! their exact name patterns) a previous run left: the store's index starts empty, so those
 //! files are unindexed and would only take space. Nothing else in the directory is touched.
+//!
+//! Block files are opened with `O_NOFOLLOW | O_NONBLOCK` and must be regular files: a symlink
+//! or a FIFO in a block's place reads as missing rather than redirecting or hanging a read.
 
 use std::fs::{DirBuilder, File, OpenOptions, TryLockError};
 use std::io::{ErrorKind, Write};
@@ -138,9 +143,37 @@ fn aligned_buffer(len: usize) -> Option<(Vec<u8>, usize)> {
     (off < ALIGN).then_some((buf, off))
 }
 
-/// The `O_DIRECT` open flag (the bit pattern of a C `int`).
+/// An open flag as the C `int` `custom_flags` takes.
+fn flag(f: rustix::fs::OFlags) -> i32 {
+    i32::from_ne_bytes(f.bits().to_ne_bytes())
+}
+
+/// `O_DIRECT`.
 fn o_direct() -> i32 {
-    i32::from_ne_bytes(rustix::fs::OFlags::DIRECT.bits().to_ne_bytes())
+    flag(rustix::fs::OFlags::DIRECT)
+}
+
+/// `O_NOFOLLOW`.
+fn o_nofollow() -> i32 {
+    flag(rustix::fs::OFlags::NOFOLLOW)
+}
+
+/// `O_NONBLOCK` (opening a FIFO does not wait for a writer; no effect on regular files).
+fn o_nonblock() -> i32 {
+    flag(rustix::fs::OFlags::NONBLOCK)
+}
+
+/// Whether `name` is a file this module makes: a block, a block's temp file
+/// (`<block>.<n>.tmp`), or the probe file.
+fn is_own_file(name: &str) -> bool {
+    if is_block_name(name) || name == PROBE_FILE {
+        return true;
+    }
+    name.strip_suffix(TEMP_SUFFIX)
+        .and_then(|stem| stem.rsplit_once('.'))
+        .is_some_and(|(block, n)| {
+            is_block_name(block) && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())
+        })
 }
 
 /// Whether an error means the file system does not do `O_DIRECT` (as opposed to a failure of
@@ -189,6 +222,7 @@ impl DiskDir {
             .mode(0o700)
             .create(dir)
             .map_err(|e| DiskError::io("creating the directory", dir, e))?;
+        Self::make_private(dir)?;
         let lock = Self::lock(dir)?;
         let removed_at_open = Self::remove_stale(dir)?;
         let direct = match direct {
@@ -301,19 +335,18 @@ impl DiskDir {
         }
     }
 
-    /// Opens a block's file for reading (with `O_DIRECT` when `direct`); `None` when there is
-    /// none, or something other than a file is in its place.
+    /// Opens a block's file for reading (with `O_DIRECT` when `direct`), never through a
+    /// symlink and without waiting on a FIFO; `None` when there is none, or something other
+    /// than a regular file is in its place.
     fn open_block(path: &Path, direct: bool) -> Result<Option<File>, DiskError> {
         let mut options = OpenOptions::new();
-        options.read(true);
-        if direct {
-            options.custom_flags(o_direct());
-        }
+        let flags = o_nofollow() | o_nonblock() | if direct { o_direct() } else { 0 };
+        options.read(true).custom_flags(flags);
         match options.open(path) {
             Ok(file) => Ok(Some(file)),
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
-            // O_DIRECT opens of a directory fail with EINVAL.
-            Err(_) if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) => Ok(None),
+            // A symlink (ELOOP), or a directory (EISDIR; EINVAL with O_DIRECT).
+            Err(_) if std::fs::symlink_metadata(path).is_ok_and(|m| !m.is_file()) => Ok(None),
             Err(e) => Err(DiskError::io("opening block", path, e)),
         }
     }
@@ -327,7 +360,27 @@ impl DiskDir {
         }
     }
 
-    /// Opens `dir/.lock` and takes its exclusive lock without waiting.
+    /// Checks that this process's user owns `dir` (a directory) and sets its mode to 0700.
+    fn make_private(dir: &Path) -> Result<(), DiskError> {
+        use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+        let meta = std::fs::metadata(dir)
+            .map_err(|e| DiskError::io("inspecting the directory", dir, e))?;
+        let euid = rustix::process::geteuid().as_raw();
+        if !meta.is_dir() || meta.uid() != euid {
+            return Err(DiskError::io(
+                "using the directory (it must be a directory owned by the daemon's user)",
+                dir,
+                ErrorKind::PermissionDenied.into(),
+            ));
+        }
+        if meta.mode() & 0o777 != 0o700 {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| DiskError::io("making the directory private (0700)", dir, e))?;
+        }
+        Ok(())
+    }
+
+    /// Opens `dir/.lock` (not through a symlink) and takes its exclusive lock without waiting.
     fn lock(dir: &Path) -> Result<File, DiskError> {
         let path = dir.join(LOCK_FILE);
         let file = OpenOptions::new()
@@ -336,6 +389,7 @@ impl DiskDir {
             .create(true)
             .truncate(false)
             .mode(0o600)
+            .custom_flags(o_nofollow())
             .open(&path)
             .map_err(|e| DiskError::io("opening the lock file", &path, e))?;
         match file.try_lock() {
@@ -347,7 +401,8 @@ impl DiskDir {
         }
     }
 
-    /// Removes the `*.blk` and `*.tmp` files (not directories) in `dir`; returns how many.
+    /// Removes this module's files (blocks, temps, the probe; not directories) in `dir`;
+    /// returns how many.
     fn remove_stale(dir: &Path) -> Result<u64, DiskError> {
         let entries =
             std::fs::read_dir(dir).map_err(|e| DiskError::io("listing the directory", dir, e))?;
@@ -356,7 +411,7 @@ impl DiskDir {
             let entry = entry.map_err(|e| DiskError::io("listing the directory", dir, e))?;
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
-            if !(name.ends_with(BLOCK_SUFFIX) || name.ends_with(TEMP_SUFFIX)) {
+            if !is_own_file(name) {
                 continue;
             }
             let path = entry.path();
@@ -410,11 +465,11 @@ impl DiskDir {
             *b = (i % 251) as u8;
         }
         let expected = block.to_vec();
+        // A new file (never through a symlink: the stale-file pass removed an old probe).
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o600)
             .custom_flags(o_direct())
             .open(path)?;
@@ -636,14 +691,60 @@ mod tests {
         std::fs::write(tmp.0.join(PROBE_FILE), b"probe").unwrap();
         std::fs::write(tmp.0.join("notes.txt"), b"keep").unwrap();
         std::fs::write(tmp.0.join("blk"), b"keep").unwrap();
+        // Other programs' files with the same suffixes (a shared directory) are not ours.
+        std::fs::write(tmp.0.join("other.blk"), b"keep").unwrap();
+        std::fs::write(tmp.0.join("session.tmp"), b"keep").unwrap();
+        std::fs::write(tmp.0.join(format!("{}.x.tmp", name(1))), b"keep").unwrap();
         let disk = DiskDir::open(&tmp.0, DirectIo::Auto).unwrap();
         assert_eq!(disk.removed_at_open(), 4);
         assert_eq!(disk.path(), tmp.0);
-        assert_eq!(files_ending(&tmp.0, BLOCK_SUFFIX), ["sub.blk"]);
-        assert!(files_ending(&tmp.0, TEMP_SUFFIX).is_empty());
+        let mut blk = files_ending(&tmp.0, BLOCK_SUFFIX);
+        blk.sort();
+        assert_eq!(blk, ["other.blk", "sub.blk"]);
+        let mut tmps = files_ending(&tmp.0, TEMP_SUFFIX);
+        tmps.sort();
+        assert_eq!(tmps, [format!("{}.x.tmp", name(1)), "session.tmp".into()]);
         assert_eq!(std::fs::read(tmp.0.join("notes.txt")).unwrap(), b"keep");
         assert_eq!(std::fs::read(tmp.0.join("blk")).unwrap(), b"keep");
         assert!(tmp.0.join("sub.blk").join(name(7)).exists());
+    }
+
+    #[test]
+    fn an_open_directory_is_made_private() {
+        let tmp = TempDir::new();
+        std::fs::create_dir_all(&tmp.0).unwrap();
+        std::fs::set_permissions(&tmp.0, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let _disk = DiskDir::open(&tmp.0, DirectIo::Off).unwrap();
+        let mode = std::fs::metadata(&tmp.0).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+    }
+
+    #[test]
+    fn a_symlink_or_fifo_in_a_blocks_place_reads_as_missing() {
+        let tmp = TempDir::new();
+        let disk = DiskDir::open(&tmp.0, DirectIo::Auto).unwrap();
+        // A symlink to a file of the right size must not be followed.
+        let secret = tmp.0.join("secret");
+        std::fs::write(&secret, data(4096, 9)).unwrap();
+        std::os::unix::fs::symlink(&secret, tmp.0.join(name(1))).unwrap();
+        assert!(disk.read(&name(1), 4096).unwrap().is_none());
+        // A FIFO must not hang the read.
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            tmp.0.join(name(2)),
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        assert!(disk.read(&name(2), 4096).unwrap().is_none());
+        // Writing over either replaces it with a regular file.
+        disk.write(&name(1), &data(4096, 1)).unwrap();
+        assert_eq!(
+            disk.read(&name(1), 4096).unwrap().as_deref(),
+            Some(&data(4096, 1)[..])
+        );
+        assert_eq!(std::fs::read(&secret).unwrap(), data(4096, 9));
     }
 
     #[test]

@@ -7,10 +7,13 @@
 //!   into the same channel).
 //! - **Lower-tier writes** (demotions, deletes) are queued, one queue and one writer per
 //!   tier, and never delay a connector. A put stays readable from its queue until the tier
-//!   has it, so an onboard right after a demotion finds the block. Each queue is bounded in
-//!   operations and in bytes; a put that does not fit is dropped and counted, and the store
-//!   forgets the block there at once (no phantom residency). A put that fails is forgotten
-//!   the same way, and a delete of it queued behind any later put of the same block.
+//!   has it, so an onboard right after a demotion finds the block. Each queue's puts are
+//!   bounded in operations and in bytes; a put that does not fit is dropped and counted, and
+//!   the store forgets the block there at once (no phantom residency). Deletes are never
+//!   dropped (a dropped one would leave a file or key outside the index). A put that fails is
+//!   forgotten the same way, and a delete of it queued behind any later put of the same block.
+//!   A block the tier turns out not to have at onboard (or, on disk, cannot read) is
+//!   forgotten and deleted the same way, unless a put of it is queued by then.
 //! - **Lower-tier reads** (onboards) run in the connector's request, in chain order (disk
 //!   reads on the blocking pool), and stop at the first block the tier no longer has.
 //! - **Closing**: after [`Service::close`] every request is refused as unavailable and no
@@ -90,29 +93,33 @@ struct State {
 const MAX_PENDING_KEYS: usize = 1 << 20;
 
 /// Writes not yet done: readable by onboards meanwhile. Per name, the latest bytes and how
-/// many puts of it are queued (a block can be demoted again before its first put ran).
+/// many puts of it are queued (a block can be demoted again before its first put ran), and
+/// the totals the queue's bounds apply to.
 #[derive(Default)]
 struct Pending {
     puts: HashMap<String, (Bytes, u32)>,
+    ops: usize,
     bytes: u64,
 }
 
-/// One lower tier's write queue.
+/// One lower tier's write queue. Puts are bounded (in operations and bytes); deletes are not
+/// dropped, or their files and keys would outlive the index: there are at most as many as
+/// blocks the tier ever held beyond what it holds now, each a short name.
 struct WriteQueue {
     tier: Tier,
-    tx: mpsc::Sender<WriteOp>,
+    tx: mpsc::UnboundedSender<WriteOp>,
     pending: Mutex<Pending>,
-    limit: u64,
+    bounds: QueueBounds,
 }
 
 impl WriteQueue {
-    fn new(tier: Tier, bounds: QueueBounds) -> (Self, mpsc::Receiver<WriteOp>) {
-        let (tx, rx) = mpsc::channel(bounds.ops.max(1));
+    fn new(tier: Tier, bounds: QueueBounds) -> (Self, mpsc::UnboundedReceiver<WriteOp>) {
+        let (tx, rx) = mpsc::unbounded_channel();
         let queue = Self {
             tier,
             tx,
             pending: Mutex::new(Pending::default()),
-            limit: bounds.bytes,
+            bounds,
         };
         (queue, rx)
     }
@@ -164,15 +171,15 @@ pub struct Parts {
     /// Sealed envelopes, in `seq` order.
     pub sealed: mpsc::UnboundedReceiver<Envelope>,
     /// Disk writes, when there is a disk tier.
-    pub disk: Option<mpsc::Receiver<WriteOp>>,
+    pub disk: Option<mpsc::UnboundedReceiver<WriteOp>>,
     /// Remote writes, when there is a remote tier.
-    pub remote: Option<mpsc::Receiver<WriteOp>>,
+    pub remote: Option<mpsc::UnboundedReceiver<WriteOp>>,
 }
 
-/// Bounds of a write queue.
+/// Bounds of a write queue's puts.
 #[derive(Debug, Clone, Copy)]
 pub struct QueueBounds {
-    /// Operations queued at most.
+    /// Puts queued at most.
     pub ops: usize,
     /// Block bytes queued at most.
     pub bytes: u64,
@@ -326,30 +333,60 @@ impl Service {
             };
             let name = tier_name(tier, fingerprint, *key);
             let id = BlockId { layout, key: *key };
+            let read = match self.read(tier, name.clone(), block_bytes).await {
+                Ok(data) => data.filter(|d| d.len() as u64 == block_bytes),
+                Err((kind, message)) => {
+                    let label = tier_label(tier);
+                    self.metrics.tier_error(label, "read", kind);
+                    tracing::warn!(tier = label, error = %message, "lower-tier read failed");
+                    // A Redis timeout may pass: the block stays indexed. A file that cannot
+                    // be read is treated as gone, or a hot unreadable block would stay
+                    // claimed for ever.
+                    if tier != Tier::Disk {
+                        break;
+                    }
+                    None
+                }
+            };
+            let data = match read {
+                Some(data) => Some(data),
+                None => self.missed(tier, id, &name, block_bytes)?,
+            };
+            // The chain stops at the first block its tier no longer has.
+            let Some(data) = data else { break };
+            // Closed while reading: the final Cleared is out, change nothing more.
+            let mut state = self.open()?;
             let mut effects = Vec::new();
-            match self.read(tier, name, block_bytes).await {
-                Ok(Some(data)) if data.len() as u64 == block_bytes => {
-                    // Closed while reading: the final Cleared is out, change nothing more.
-                    let mut state = self.open()?;
-                    state.store.promote(id, tier, data.clone(), &mut effects)?;
-                    self.dispatch(&mut state, effects);
-                    out.push((data, tier));
-                }
-                Ok(_) => {
-                    // Gone (evicted by Redis, a dropped or failed put), or corrupted.
-                    let mut state = self.open()?;
-                    state.store.lost(id, tier, &mut effects);
-                    self.dispatch(&mut state, effects);
-                    break;
-                }
-                Err((op_kind, message)) => {
-                    self.metrics.tier_error(tier_label(tier), "read", op_kind);
-                    tracing::warn!(tier = tier_label(tier), error = %message, "lower-tier read failed; onboard stops there");
-                    break;
-                }
-            }
+            state.store.promote(id, tier, data.clone(), &mut effects)?;
+            self.dispatch(&mut state, effects);
+            out.push((data, tier));
         }
         Ok(out)
+    }
+
+    /// A lower tier did not have a block it indexes (gone, torn, or unreadable). Under the
+    /// state lock, so no put of it is queued meanwhile: if a put of it is queued or being
+    /// written now (the block was evicted and demoted again while the read ran), those bytes
+    /// are the answer; otherwise the store forgets the block there, and a delete clears
+    /// whatever the tier has under its name.
+    fn missed(
+        &self,
+        tier: Tier,
+        id: BlockId,
+        name: &str,
+        len: u64,
+    ) -> Result<Option<Bytes>, ServiceError> {
+        let mut state = self.open()?;
+        let queued = self.queue(tier).and_then(|q| q.queued(name));
+        if let Some(data) = queued.filter(|d| d.len() as u64 == len) {
+            return Ok(Some(data));
+        }
+        if self.forget(&mut state, id, tier) {
+            self.queue_delete(tier, name.to_owned());
+            drop(state);
+            self.wake.notify_one();
+        }
+        Ok(None)
     }
 
     /// A block's bytes from a lower tier: its write queue first, then the back end.
@@ -469,18 +506,20 @@ impl Service {
         let len = data.len() as u64;
         {
             let mut p = q.pending();
-            if p.bytes + len > q.limit {
+            if p.ops >= q.bounds.ops || p.bytes + len > q.bounds.bytes {
                 drop(p);
                 counters.dropped.fetch_add(1, Ordering::Relaxed);
                 return false;
             }
+            p.ops += 1;
             p.bytes += len;
             let entry = p.puts.entry(name.clone()).or_insert((data.clone(), 0));
             entry.0 = data.clone();
             entry.1 += 1;
         }
+        // Fails only once the writer is gone.
         if q.tx
-            .try_send(WriteOp::Put {
+            .send(WriteOp::Put {
                 id,
                 name: name.clone(),
                 data,
@@ -496,7 +535,8 @@ impl Service {
 
     fn queue_delete(&self, tier: Tier, name: String) {
         let Some(q) = self.queue(tier) else { return };
-        if q.tx.try_send(WriteOp::Delete { name }).is_err()
+        // Fails only once the writer is gone.
+        if q.tx.send(WriteOp::Delete { name }).is_err()
             && let Some(counters) = self.metrics.writes(tier)
         {
             counters.dropped.fetch_add(1, Ordering::Relaxed);
@@ -518,6 +558,7 @@ impl Service {
         if *count == 0 {
             p.puts.remove(name);
         }
+        p.ops = p.ops.saturating_sub(1);
         p.bytes = p.bytes.saturating_sub(len);
     }
 
@@ -633,11 +674,11 @@ fn write_finished(
     }
 }
 
-/// Drains the remote write queue into Redis until every sender is gone.
+/// Drains the remote write queue into Redis for the life of the service.
 pub async fn remote_writer(
     service: Arc<Service>,
     redis: Arc<Redis>,
-    mut rx: mpsc::Receiver<WriteOp>,
+    mut rx: mpsc::UnboundedReceiver<WriteOp>,
 ) {
     while let Some(op) = rx.recv().await {
         match op {
@@ -659,9 +700,9 @@ pub async fn remote_writer(
     }
 }
 
-/// Drains the disk write queue into the directory until every sender is gone. Blocking:
-/// run it on a thread of its own.
-pub fn disk_writer(service: &Service, disk: &DiskDir, mut rx: mpsc::Receiver<WriteOp>) {
+/// Drains the disk write queue into the directory for the life of the service (the process:
+/// the service holds the queue's sender). Blocking: run it on a thread of its own.
+pub fn disk_writer(service: &Service, disk: &DiskDir, mut rx: mpsc::UnboundedReceiver<WriteOp>) {
     while let Some(op) = rx.blocking_recv() {
         match op {
             WriteOp::Put { id, name, data } => {
@@ -860,6 +901,32 @@ mod tests {
             tier: Tier::Disk
         }));
         assert_eq!(s.with_store(|st| st.counters().disk.lost), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_miss_with_a_put_queued_is_served_from_the_queue_and_not_forgotten() {
+        let dir = TempDir::new("miss");
+        let (mut parts, l, _disk) = disk_service(&dir.0);
+        let s = Arc::clone(&parts.service);
+        // Block 1 is demoted to disk; its put is queued (no writer runs), as when a block
+        // is evicted and demoted again while an onboard's read of its old file runs.
+        s.offload(l, None, &blocks(&[1, 2, 3])).unwrap();
+        let id = BlockId {
+            layout: l,
+            key: BlockKey(1),
+        };
+        let name = block_file_name(layout().fingerprint(), BlockKey(1));
+        let got = s.missed(Tier::Disk, id, &name, B).unwrap();
+        assert_eq!(got, Some(Bytes::from(vec![1u8; B as usize])));
+        assert_eq!(s.lookup(l, &[BlockKey(1)]).unwrap().any, 1);
+        // Once the put is done (and the tier still misses), the miss forgets the block and
+        // queues a delete of its name.
+        let mut rx = parts.disk.take().unwrap();
+        while rx.try_recv().is_ok() {}
+        s.put_done(Tier::Disk, &name);
+        assert_eq!(s.missed(Tier::Disk, id, &name, B).unwrap(), None);
+        assert_eq!(s.lookup(l, &[BlockKey(1)]).unwrap().any, 0);
+        assert!(matches!(rx.try_recv(), Ok(WriteOp::Delete { name: n }) if n == name));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

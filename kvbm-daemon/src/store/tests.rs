@@ -42,6 +42,9 @@ struct Model {
     lower_cap: [u64; 2],
     host: Vec<(BlockId, u64)>,
     lower: [Vec<(BlockId, u64)>; 2],
+    /// The chain parent each tier recorded for a block when it stored it (0 host, 1 disk,
+    /// 2 remote); entries of blocks no longer resident are ignored.
+    parents: HashMap<(usize, BlockId), Option<BlockKey>>,
 }
 
 fn used(list: &[(BlockId, u64)]) -> u64 {
@@ -65,7 +68,7 @@ fn has(list: &[(BlockId, u64)], id: BlockId) -> bool {
 
 impl Model {
     /// Touches or inserts (nothing when the tier cannot hold the block at all).
-    fn put_lower(&mut self, i: usize, id: BlockId, bytes: u64) {
+    fn put_lower(&mut self, i: usize, id: BlockId, bytes: u64, parent: Option<BlockKey>) {
         if bump(&mut self.lower[i], id) || bytes > self.lower_cap[i] {
             return;
         }
@@ -73,27 +76,33 @@ impl Model {
             self.lower[i].remove(0);
         }
         self.lower[i].push((id, bytes));
+        self.parents.insert((i + 1, id), parent);
     }
 
-    fn put_host(&mut self, id: BlockId, bytes: u64) {
+    fn put_host(&mut self, id: BlockId, bytes: u64, parent: Option<BlockKey>) {
         while used(&self.host) + bytes > self.host_cap {
             let (victim, b) = self.host.remove(0);
-            self.put_lower(0, victim, b);
-            self.put_lower(1, victim, b);
+            let p = self.parents.get(&(0, victim)).copied().flatten();
+            self.put_lower(0, victim, b, p);
+            self.put_lower(1, victim, b, p);
         }
         self.host.push((id, bytes));
+        self.parents.insert((0, id), parent);
     }
 
     fn offload(&mut self, layout: u32, keys: &[u64], bytes: u64) -> Offloaded {
         let mut out = Offloaded::default();
+        let mut before = None;
         for k in keys {
             let id = id(layout, *k);
+            let parent = before;
+            before = Some(BlockKey(*k));
             if bytes <= self.host_cap {
                 if bump(&mut self.host, id) {
                     out.present += 1;
                 } else {
                     out.stored += 1;
-                    self.put_host(id, bytes);
+                    self.put_host(id, bytes, parent);
                 }
                 continue;
             }
@@ -102,7 +111,7 @@ impl Model {
                 if bytes <= self.lower_cap[i] && !has(&self.lower[i], id) {
                     stored = true;
                 }
-                self.put_lower(i, id, bytes);
+                self.put_lower(i, id, bytes, parent);
             }
             if stored {
                 out.stored += 1;
@@ -133,7 +142,8 @@ impl Model {
 
     fn promote(&mut self, id: BlockId, from: usize, bytes: u64) {
         if has(&self.lower[from], id) && !has(&self.host, id) && bytes <= self.host_cap {
-            self.put_host(id, bytes);
+            let p = self.parents.get(&(from + 1, id)).copied().flatten();
+            self.put_host(id, bytes, p);
         }
     }
 }
@@ -143,6 +153,8 @@ impl Model {
 #[derive(Debug, Default)]
 struct Receiver {
     resident: HashSet<(BlockId, Tier)>,
+    /// Each resident block's parent as the events chain it.
+    parents: HashMap<(BlockId, Tier), Option<BlockKey>>,
     written: HashMap<(Tier, BlockId), Bytes>,
 }
 
@@ -151,12 +163,21 @@ impl Receiver {
         for e in effects {
             match e {
                 Effect::Publish { layout, event } => match event {
-                    KvEvent::Stored { keys, tier, .. } => {
+                    KvEvent::Stored {
+                        keys,
+                        tier,
+                        parent,
+                        token_count,
+                        ..
+                    } => {
+                        // Every test layout has 4 tokens per block.
+                        assert_eq!(token_count as usize, 4 * keys.len());
+                        let mut before = parent;
                         for k in keys {
-                            assert!(
-                                self.resident.insert((BlockId { layout, key: k }, tier)),
-                                "stored twice: {k:?} {tier:?}"
-                            );
+                            let at = (BlockId { layout, key: k }, tier);
+                            assert!(self.resident.insert(at), "stored twice: {k:?} {tier:?}");
+                            self.parents.insert(at, before);
+                            before = Some(k);
                         }
                     }
                     KvEvent::Removed { keys, tier } => {
@@ -321,8 +342,22 @@ fn check(host_cap: u64, lower_cap: [u64; 2], ops: Vec<Op>) -> Result<(), TestCas
             want.extend(ids.iter().map(|id| (*id, tier)));
             written.extend(ids.iter().map(|id| (tier, *id)));
         }
-        // Events and lower-tier effects describe the residency exactly.
+        // Events and lower-tier effects describe the residency exactly, chains included.
         prop_assert_eq!(&rx.resident, &want);
+        for (id, tier) in &want {
+            let t = match tier {
+                Tier::Host => 0,
+                Tier::Disk => 1,
+                _ => 2,
+            };
+            prop_assert_eq!(
+                rx.parents.get(&(*id, *tier)),
+                model.parents.get(&(t, *id)),
+                "parent of {:?} in {:?}",
+                id,
+                tier
+            );
+        }
         prop_assert_eq!(rx.written.keys().copied().collect::<HashSet<_>>(), written);
         for l in 0..2u32 {
             let n: usize = [Tier::Host, Tier::Disk, Tier::Remote]
