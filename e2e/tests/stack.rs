@@ -643,7 +643,7 @@ fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
                 }
             })
             .collect();
-        assert_eq!(c.offload(None, slots.clone()).await.unwrap(), (32, 0));
+        assert_eq!(c.offload(None, slots.clone()).await.unwrap(), (32, 0, 0));
         c.onboard(slots).await.unwrap()
     });
     assert_eq!(
@@ -688,7 +688,7 @@ fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
                 offset: i * BLOCK,
             })
             .collect();
-        assert_eq!(c.offload(None, slots).await.unwrap(), (8, 0));
+        assert_eq!(c.offload(None, slots).await.unwrap(), (8, 0, 0));
     });
     wait_for("the new blocks in the EPP", Duration::from_secs(5), || {
         residencies(&stack) >= before_crash + 8.0

@@ -161,7 +161,7 @@ async fn round_trip(d: &Daemon, block: u64, blocks: u64) -> Trip {
     };
     let t = Instant::now();
     for r in 0..blocks / PER_REQUEST {
-        let (stored, _) = c.offload(None, slots(r * PER_REQUEST)).await.unwrap();
+        let (stored, _, _) = c.offload(None, slots(r * PER_REQUEST)).await.unwrap();
         assert_eq!(u64::from(stored), PER_REQUEST);
     }
     let offload = t.elapsed();

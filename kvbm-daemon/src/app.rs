@@ -161,6 +161,7 @@ async fn serve(args: Args) -> Result<(), AppError> {
         host_bytes: args.host_bytes,
         disk_bytes,
         remote_bytes,
+        max_pins: args.max_pinned_blocks,
     });
     let epoch = kv_bridge::epoch::random_epoch();
     let outbox = Outbox::new(
@@ -199,6 +200,7 @@ async fn serve(args: Args) -> Result<(), AppError> {
     let parts = Service::start(
         store,
         outbox,
+        Duration::from_millis(u64::from(args.max_pin_ms)),
         Backends {
             disk: disk.clone(),
             redis: redis.clone(),

@@ -82,6 +82,13 @@ pub struct Args {
     /// Tokens per KV block (every connector's layout must match).
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
+    /// Blocks pinned at once at most (a `lookup` with `pin_ms` pins the blocks it found, so
+    /// they are not evicted before the connector onboards them).
+    #[arg(long, default_value_t = 65536)]
+    pub max_pinned_blocks: usize,
+    /// The longest a pin lasts, milliseconds (a connector asking for longer gets this).
+    #[arg(long, default_value_t = 30_000)]
+    pub max_pin_ms: u32,
     /// Connectors served at once.
     #[arg(long, default_value_t = 256)]
     pub max_connections: u64,

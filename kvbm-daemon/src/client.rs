@@ -99,12 +99,13 @@ impl Client {
         &self.segment
     }
 
-    /// Offloads the blocks in `slots` (written to the segment beforehand): (stored, present).
+    /// Offloads the blocks in `slots` (written to the segment beforehand): (stored, present,
+    /// skipped because pinned blocks filled their tier).
     pub async fn offload(
         &mut self,
         parent: Option<u64>,
         slots: Vec<Slot>,
-    ) -> Result<(u32, u32), ClientError> {
+    ) -> Result<(u32, u32, u32), ClientError> {
         match self
             .call(&Request::Offload {
                 parent,
@@ -112,15 +113,38 @@ impl Client {
             })
             .await?
         {
-            Response::Offloaded { stored, present } => Ok((stored, present)),
+            Response::Offloaded {
+                stored,
+                present,
+                skipped,
+            } => Ok((stored, present, skipped)),
             other => Err(unexpected(other)),
         }
     }
 
-    /// Leading blocks held: (host, host or remote).
+    /// Leading blocks held: (host, any tier).
     pub async fn lookup(&mut self, keys: Vec<u64>) -> Result<(u32, u32), ClientError> {
-        match self.call(&Request::Lookup { keys }).await? {
-            Response::Found { host, any } => Ok((host, any)),
+        let (host, any, _) = self.lookup_and_pin(keys, 0).await?;
+        Ok((host, any))
+    }
+
+    /// Leading blocks held, pinning them for `pin_ms` (bounded by the daemon) so they are
+    /// still there at the onboard: (host, any tier, pinned).
+    pub async fn lookup_and_pin(
+        &mut self,
+        keys: Vec<u64>,
+        pin_ms: u32,
+    ) -> Result<(u32, u32, u32), ClientError> {
+        match self.call(&Request::Lookup { keys, pin_ms }).await? {
+            Response::Found { host, any, pinned } => Ok((host, any, pinned)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Releases the pins of `keys`: how many there were.
+    pub async fn unpin(&mut self, keys: Vec<u64>) -> Result<u32, ClientError> {
+        match self.call(&Request::Unpin { keys }).await? {
+            Response::Unpinned { blocks } => Ok(blocks),
             other => Err(unexpected(other)),
         }
     }

@@ -13,7 +13,7 @@ use kv_events::Tier;
 use crate::store::{BlockStore, TierUsage};
 
 /// Connector operations, in label order.
-pub const OPS: [&str; 4] = ["register", "offload", "lookup", "onboard"];
+pub const OPS: [&str; 5] = ["register", "offload", "lookup", "unpin", "onboard"];
 
 const CODES: [(ErrorCode, &str); 6] = [
     (ErrorCode::Malformed, "malformed"),
@@ -42,8 +42,8 @@ pub struct Metrics {
     pub connections_total: AtomicU64,
     /// Connections refused (over the limit, or a failed handshake).
     pub connections_refused: AtomicU64,
-    requests: [AtomicU64; 4],
-    request_seconds: [Histogram; 4],
+    requests: [AtomicU64; 5],
+    request_seconds: [Histogram; 5],
     errors: [AtomicU64; 6],
     /// The disk tier's write queue.
     pub disk_writes: WriteCounters,
@@ -275,6 +275,27 @@ impl Metrics {
             "Host evictions written to at least one lower tier.",
             &[],
             c.demoted as f64,
+        )
+        .single(
+            "kvgate_kvbm_pinned_blocks",
+            Kind::Gauge,
+            "Blocks pinned by connectors now (not evicted until released or expired).",
+            &[],
+            store.pinned() as f64,
+        )
+        .single(
+            "kvgate_kvbm_pins_expired_total",
+            Kind::Counter,
+            "Pins that expired before their connector released them.",
+            &[],
+            c.pins_expired as f64,
+        )
+        .single(
+            "kvgate_kvbm_offload_skipped_blocks_total",
+            Kind::Counter,
+            "Offloaded blocks not stored because pinned blocks filled their tier.",
+            &[],
+            c.skipped as f64,
         );
         let (w, [queued_disk, queued_remote]) =
             ([&self.disk_writes, &self.remote_writes], queued_bytes);

@@ -306,6 +306,7 @@ mod tests {
             host_bytes: 4 * 8,
             disk_bytes: 0,
             remote_bytes: 8 * 8,
+            max_pins: 0,
         });
         let layout = |dtype: &str, shard, shards| Layout {
             model: "m".into(),

@@ -54,9 +54,18 @@ pub enum Request {
         /// The blocks, in chain order.
         blocks: Vec<Slot>,
     },
-    /// How many leading blocks of `keys` are held (host, and host or remote).
+    /// How many leading blocks of `keys` are held (host, and any tier); with `pin_ms`, pins
+    /// those held for that long (bounded by the daemon), so they stay until the onboard.
     Lookup {
         /// The chain's keys.
+        keys: Vec<u64>,
+        /// Pin the leading held blocks this long, milliseconds (0: no pin).
+        #[serde(default)]
+        pin_ms: u32,
+    },
+    /// Release the pins of `keys` (after the onboard, or when the request went away).
+    Unpin {
+        /// The keys.
         keys: Vec<u64>,
     },
     /// Copy the leading blocks held into the given slots; stops at the first block not held.
@@ -73,6 +82,7 @@ impl Request {
             Request::Register { .. } => "register",
             Request::Offload { .. } => "offload",
             Request::Lookup { .. } => "lookup",
+            Request::Unpin { .. } => "unpin",
             Request::Onboard { .. } => "onboard",
         }
     }
@@ -82,7 +92,7 @@ impl Request {
         match self {
             Request::Register { .. } => 0,
             Request::Offload { blocks, .. } | Request::Onboard { blocks } => blocks.len(),
-            Request::Lookup { keys } => keys.len(),
+            Request::Lookup { keys, .. } | Request::Unpin { keys } => keys.len(),
         }
     }
 
@@ -125,6 +135,9 @@ pub enum Response {
         stored: u32,
         /// Blocks already held.
         present: u32,
+        /// Blocks not stored: pinned blocks left their tier too little room.
+        #[serde(default)]
+        skipped: u32,
     },
     /// A lookup's answer.
     Found {
@@ -132,6 +145,14 @@ pub enum Response {
         host: u32,
         /// Leading blocks in any tier.
         any: u32,
+        /// Of those, how many are now pinned (fewer than `any` at the daemon's pin limit).
+        #[serde(default)]
+        pinned: u32,
+    },
+    /// An unpin's answer.
+    Unpinned {
+        /// Pins released.
+        blocks: u32,
     },
     /// An onboard's answer: the first `blocks` slots now hold their blocks.
     Onboarded {
@@ -239,7 +260,11 @@ mod tests {
                 parent: Some(3),
                 blocks: vec![Slot { key: 1, offset: 0 }],
             },
-            Request::Lookup { keys: vec![1, 2] },
+            Request::Lookup {
+                keys: vec![1, 2],
+                pin_ms: 100,
+            },
+            Request::Unpin { keys: vec![1] },
             Request::Onboard {
                 blocks: vec![Slot { key: 1, offset: 8 }],
             },
@@ -254,8 +279,14 @@ mod tests {
             Response::Offloaded {
                 stored: 1,
                 present: 2,
+                skipped: 0,
             },
-            Response::Found { host: 1, any: 2 },
+            Response::Found {
+                host: 1,
+                any: 2,
+                pinned: 2,
+            },
+            Response::Unpinned { blocks: 1 },
             Response::Onboarded {
                 blocks: 2,
                 from_host: 1,
@@ -288,6 +319,7 @@ mod tests {
         encode(
             &Request::Lookup {
                 keys: vec![0; MAX_BLOCKS + 1],
+                pin_ms: 0,
             },
             &mut frame,
         );

@@ -206,13 +206,22 @@ async fn handle(
             return (error(ErrorCode::Sequence, "register sent twice"), true);
         }
         Request::Offload { parent, blocks } => offload(s, parent, &blocks, service),
-        Request::Lookup { keys } => {
+        Request::Lookup { keys, pin_ms } => {
             let keys: Vec<BlockKey> = keys.into_iter().map(BlockKey).collect();
-            match service.lookup(s.layout, &keys) {
-                Ok(l) => Response::Found {
+            let pin = Duration::from_millis(u64::from(pin_ms));
+            match service.lookup(s.layout, &keys, pin) {
+                Ok((l, pinned)) => Response::Found {
                     host: l.host,
                     any: l.any,
+                    pinned,
                 },
+                Err(e) => service_error(&e),
+            }
+        }
+        Request::Unpin { keys } => {
+            let keys: Vec<BlockKey> = keys.into_iter().map(BlockKey).collect();
+            match service.unpin(s.layout, &keys) {
+                Ok(blocks) => Response::Unpinned { blocks },
                 Err(e) => service_error(&e),
             }
         }
@@ -286,7 +295,7 @@ fn offload(s: &Session, parent: Option<u64>, slots: &[Slot], service: &Service) 
     if let Err(r) = check_slots(s, slots) {
         return r;
     }
-    let (mut stored, mut present) = (0u32, 0u32);
+    let (mut stored, mut present, mut skipped) = (0u32, 0u32, 0u32);
     let mut parent = parent.map(BlockKey);
     for chunk in slots.chunks(chunk_len(s.block_bytes)) {
         let read: Result<Vec<(BlockKey, Bytes)>, _> = blocking(|| {
@@ -306,12 +315,17 @@ fn offload(s: &Session, parent: Option<u64>, slots: &[Slot], service: &Service) 
             Ok(done) => {
                 stored += done.stored;
                 present += done.present;
+                skipped += done.skipped;
             }
             Err(e) => return service_error(&e),
         }
         parent = chunk.last().map(|slot| BlockKey(slot.key));
     }
-    Response::Offloaded { stored, present }
+    Response::Offloaded {
+        stored,
+        present,
+        skipped,
+    }
 }
 
 async fn onboard(s: &Session, slots: &[Slot], service: &Service) -> Response {

@@ -145,6 +145,10 @@ pub struct Backends {
 /// The shared state.
 pub struct Service {
     state: Mutex<State>,
+    /// The clock pins are kept in (milliseconds since start).
+    started: std::time::Instant,
+    /// The longest pin.
+    max_pin: std::time::Duration,
     backends: Backends,
     /// One per lower tier with a back end.
     queues: Vec<WriteQueue>,
@@ -199,6 +203,7 @@ impl Service {
     pub fn start(
         store: BlockStore,
         outbox: Outbox,
+        max_pin: std::time::Duration,
         backends: Backends,
         bounds: [QueueBounds; 2],
         metrics: Arc<Metrics>,
@@ -221,6 +226,8 @@ impl Service {
                 outbox,
                 closed: false,
             }),
+            started: std::time::Instant::now(),
+            max_pin,
             backends,
             queues,
             sealed_tx,
@@ -244,12 +251,18 @@ impl Service {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The state, unless the service is closed.
+    /// Milliseconds since start: the pins' clock.
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The state, unless the service is closed, with expired pins dropped.
     fn open(&self) -> Result<MutexGuard<'_, State>, ServiceError> {
-        let state = self.lock();
+        let mut state = self.lock();
         if state.closed {
             Err(ServiceError::Closing)
         } else {
+            state.store.expire_pins(self.now_ms());
             Ok(state)
         }
     }
@@ -299,9 +312,29 @@ impl Service {
         Ok(done)
     }
 
-    /// How much of a chain is held.
-    pub fn lookup(&self, layout: LayoutId, keys: &[BlockKey]) -> Result<Lookup, ServiceError> {
-        Ok(self.open()?.store.lookup(layout, keys)?)
+    /// How much of a chain is held; with `pin` > 0, the leading held blocks are also pinned
+    /// that long (at most the service's longest pin), and how many were is returned.
+    pub fn lookup(
+        &self,
+        layout: LayoutId,
+        keys: &[BlockKey],
+        pin: std::time::Duration,
+    ) -> Result<(Lookup, u32), ServiceError> {
+        let mut state = self.open()?;
+        let found = state.store.lookup(layout, keys)?;
+        let pinned = if pin.is_zero() {
+            0
+        } else {
+            let ms = u64::try_from(pin.min(self.max_pin).as_millis()).unwrap_or(u64::MAX);
+            let until = self.now_ms().saturating_add(ms);
+            state.store.pin(layout, keys, until)?
+        };
+        Ok((found, pinned))
+    }
+
+    /// Releases the pins of `keys`; returns how many there were.
+    pub fn unpin(&self, layout: LayoutId, keys: &[BlockKey]) -> Result<u32, ServiceError> {
+        Ok(self.open()?.store.unpin(layout, keys)?)
     }
 
     /// The leading blocks of `keys` the node holds, each with the tier it came from;
@@ -627,9 +660,11 @@ impl Service {
         self.wake.notify_one();
     }
 
-    /// Reads the store for a metrics scrape.
+    /// Reads the store for a metrics scrape (expired pins dropped first).
     pub fn with_store<T>(&self, f: impl FnOnce(&BlockStore) -> T) -> T {
-        f(&self.lock().store)
+        let mut state = self.lock();
+        state.store.expire_pins(self.now_ms());
+        f(&state.store)
     }
 }
 
@@ -758,6 +793,7 @@ mod tests {
                 host_bytes: 2 * B,
                 disk_bytes: 0,
                 remote_bytes: 64 * B,
+                max_pins: 1024,
             }),
             Outbox::new(
                 Identity {
@@ -769,6 +805,7 @@ mod tests {
                 1,
                 1024,
             ),
+            Duration::from_secs(30),
             Backends {
                 disk: None,
                 redis: Some(Arc::new(redis)),
@@ -816,6 +853,7 @@ mod tests {
                 host_bytes: 2 * B,
                 disk_bytes: 4 * B,
                 remote_bytes: 0,
+                max_pins: 1024,
             }),
             Outbox::new(
                 Identity {
@@ -827,6 +865,7 @@ mod tests {
                 1,
                 1024,
             ),
+            Duration::from_secs(30),
             Backends {
                 disk: Some(Arc::clone(&disk)),
                 redis: None,
@@ -895,7 +934,7 @@ mod tests {
         std::fs::remove_file(dir.0.join(block_file_name(layout().fingerprint(), gone))).unwrap();
         let _ = sealed_events(&mut parts);
         assert!(s.onboard(l, &[gone]).await.unwrap().is_empty());
-        assert_eq!(s.lookup(l, &[gone]).unwrap().any, 0);
+        assert_eq!(s.lookup(l, &[gone], Duration::ZERO).unwrap().0.any, 0);
         assert!(sealed_events(&mut parts).contains(&KvEvent::Removed {
             keys: vec![gone],
             tier: Tier::Disk
@@ -918,14 +957,20 @@ mod tests {
         let name = block_file_name(layout().fingerprint(), BlockKey(1));
         let got = s.missed(Tier::Disk, id, &name, B).unwrap();
         assert_eq!(got, Some(Bytes::from(vec![1u8; B as usize])));
-        assert_eq!(s.lookup(l, &[BlockKey(1)]).unwrap().any, 1);
+        assert_eq!(
+            s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().0.any,
+            1
+        );
         // Once the put is done (and the tier still misses), the miss forgets the block and
         // queues a delete of its name.
         let mut rx = parts.disk.take().unwrap();
         while rx.try_recv().is_ok() {}
         s.put_done(Tier::Disk, &name);
         assert_eq!(s.missed(Tier::Disk, id, &name, B).unwrap(), None);
-        assert_eq!(s.lookup(l, &[BlockKey(1)]).unwrap().any, 0);
+        assert_eq!(
+            s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().0.any,
+            0
+        );
         assert!(matches!(rx.try_recv(), Ok(WriteOp::Delete { name: n }) if n == name));
     }
 
@@ -940,7 +985,7 @@ mod tests {
         s.offload(l, None, &blocks(&[1, 2, 3])).unwrap();
         drained(&s).await;
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while s.lookup(l, &[BlockKey(1)]).unwrap().any != 0 {
+        while s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().0.any != 0 {
             assert!(std::time::Instant::now() < deadline, "block 1 forgotten");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -979,7 +1024,7 @@ mod tests {
             vec![(Bytes::from(vec![1u8; B as usize]), Tier::Remote)]
         );
         assert_eq!(
-            s.lookup(l, &[BlockKey(1)]).unwrap(),
+            s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().0,
             Lookup { host: 1, any: 1 }
         );
     }
@@ -994,7 +1039,10 @@ mod tests {
         assert_eq!(s.metrics().remote_writes.dropped.load(Ordering::Relaxed), 1);
         // Block 2's put was dropped, so the store forgot it at once (Removed, not a phantom
         // remote entry); block 1 comes from the queue.
-        assert_eq!(s.lookup(l, &[BlockKey(2)]).unwrap().any, 0);
+        assert_eq!(
+            s.lookup(l, &[BlockKey(2)], Duration::ZERO).unwrap().0.any,
+            0
+        );
         let got = s.onboard(l, &[BlockKey(1), BlockKey(2)]).await.unwrap();
         assert_eq!(got.len(), 1);
     }

@@ -225,8 +225,11 @@ async fn offload_demote_onboard_publish_and_snapshot() {
     // A chain of 6 blocks into a 4-block host tier: the first two are demoted to Redis.
     let keys = [11, 12, 13, 14, 15, 16];
     let slots = stage(&c, &keys);
-    assert_eq!(c.offload(None, slots.clone()).await.unwrap(), (6, 0));
-    assert_eq!(c.offload(None, slots[4..].to_vec()).await.unwrap(), (0, 2));
+    assert_eq!(c.offload(None, slots.clone()).await.unwrap(), (6, 0, 0));
+    assert_eq!(
+        c.offload(None, slots[4..].to_vec()).await.unwrap(),
+        (0, 2, 0)
+    );
     assert_eq!(c.lookup(keys.to_vec()).await.unwrap(), (0, 6));
 
     // The envelopes say the same.
@@ -414,7 +417,7 @@ async fn protocol_violations_are_refused_and_the_daemon_keeps_serving() {
         c.offload(None, vec![Slot { key: 1, offset: 0 }])
             .await
             .unwrap(),
-        (1, 0)
+        (1, 0, 0)
     );
     // A layout whose blocks fit no tier (4 blocks of host memory, 64 of Redis) is refused at
     // registration.
@@ -477,7 +480,10 @@ async fn large_requests_run_in_chunks_and_keep_the_chain() {
             }
         })
         .collect();
-    assert_eq!(c.offload(Some(99), slots.clone()).await.unwrap(), (20, 0));
+    assert_eq!(
+        c.offload(Some(99), slots.clone()).await.unwrap(),
+        (20, 0, 0)
+    );
     // The Stored events chain from the given parent through every chunk.
     let mut chain = vec![99u64];
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -565,7 +571,7 @@ async fn the_disk_tier_keeps_demoted_blocks_and_serves_them_first() {
     // Six blocks into two host slots: 11–14 are demoted to both the disk and Redis.
     let keys = [11, 12, 13, 14, 15, 16];
     let slots = stage(&c, &keys);
-    assert_eq!(c.offload(None, slots).await.unwrap(), (6, 0));
+    assert_eq!(c.offload(None, slots).await.unwrap(), (6, 0, 0));
     let want: HashSet<(u64, Tier)> = keys[..4]
         .iter()
         .flat_map(|k| [(*k, Tier::Disk), (*k, Tier::Remote)])
@@ -656,4 +662,59 @@ async fn the_disk_tier_keeps_demoted_blocks_and_serves_them_first() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("lock"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pinned_blocks_stay_until_released_or_expired() {
+    let s = stack(4 * BLOCK);
+    let mut c = Client::connect(&s.socket, layout(), 8 * BLOCK)
+        .await
+        .unwrap();
+    let offload =
+        |keys: &[u64]| -> Vec<Slot> { keys.iter().map(|k| Slot { key: *k, offset: 0 }).collect() };
+    c.segment().write(0, &block(1)).unwrap();
+    assert_eq!(
+        c.offload(None, offload(&[1, 2, 3, 4])).await.unwrap(),
+        (4, 0, 0)
+    );
+    // Pin 1 and 2 (and ask about 9, which is not held: the pin stops there).
+    assert_eq!(
+        c.lookup_and_pin(vec![1, 2, 9], 60_000).await.unwrap(),
+        (2, 2, 2)
+    );
+    // Four more blocks into the 4-block host tier: 3 and 4 go, then 5 and 6; 1 and 2 stay.
+    assert_eq!(
+        c.offload(None, offload(&[5, 6, 7, 8])).await.unwrap(),
+        (4, 0, 0)
+    );
+    assert_eq!(c.lookup(vec![1, 2]).await.unwrap(), (2, 2));
+    assert_eq!(
+        c.lookup(vec![3]).await.unwrap(),
+        (0, 1),
+        "3 was demoted to Redis"
+    );
+    // Released, they age out like any block.
+    assert_eq!(c.unpin(vec![1, 2, 3]).await.unwrap(), 2);
+    assert_eq!(
+        c.offload(None, offload(&[10, 11, 12, 13])).await.unwrap(),
+        (4, 0, 0)
+    );
+    assert_eq!(c.lookup(vec![1]).await.unwrap(), (0, 1));
+    // A host tier full of pinned blocks skips new ones until the pins expire.
+    assert_eq!(
+        c.lookup_and_pin(vec![10, 11, 12, 13], 300).await.unwrap(),
+        (4, 4, 4)
+    );
+    assert_eq!(c.offload(None, offload(&[20])).await.unwrap(), (0, 0, 1));
+    let text = metrics(s.metrics_port).await;
+    assert_eq!(metric(&text, "kvgate_kvbm_pinned_blocks"), 4.0);
+    assert_eq!(
+        metric(&text, "kvgate_kvbm_offload_skipped_blocks_total"),
+        1.0
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(c.offload(None, offload(&[20])).await.unwrap(), (1, 0, 0));
+    let text = metrics(s.metrics_port).await;
+    assert_eq!(metric(&text, "kvgate_kvbm_pinned_blocks"), 0.0);
+    assert_eq!(metric(&text, "kvgate_kvbm_pins_expired_total"), 4.0);
 }

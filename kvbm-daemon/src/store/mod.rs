@@ -17,10 +17,20 @@
 //! applies the events in order holds exactly the store's residency (a property test checks
 //! this).
 //!
+//! **Pins.** A connector can pin the leading blocks of a chain it found (between a lookup and
+//! the onboard that loads them) until a deadline: a pinned block is not evicted from any tier.
+//! The store has no clock: deadlines are plain numbers, and the edge expires pins
+//! ([`BlockStore::expire_pins`]) with its own clock before each operation. Pins are bounded
+//! in number ([`StoreConfig::max_pins`]). When pinned blocks leave a tier too little room, a
+//! new block is not stored there (an offload counts it `skipped`), and nothing is evicted for
+//! it.
+//!
 //! Every operation validates its whole input before it changes anything.
 
 mod layout;
 mod tier;
+
+use std::collections::HashMap;
 
 use bytes::Bytes;
 use kv_events::{BlockKey, KvEvent, Tier};
@@ -47,6 +57,8 @@ pub struct StoreConfig {
     pub disk_bytes: u64,
     /// Remote tier bytes this node may occupy; 0 disables the tier.
     pub remote_bytes: u64,
+    /// Blocks pinned at once at most.
+    pub max_pins: usize,
 }
 
 /// The tiers below host memory, in the order an onboard searches them.
@@ -130,6 +142,8 @@ pub struct Offloaded {
     pub stored: u32,
     /// Blocks the store already had (touched).
     pub present: u32,
+    /// Blocks not stored: pinned blocks left their tier too little room.
+    pub skipped: u32,
 }
 
 /// A lower tier's counters since start.
@@ -156,6 +170,10 @@ pub struct StoreCounters {
     pub demoted: u64,
     /// Onboard requests answered.
     pub onboards: u64,
+    /// Blocks an offload could not store because pinned blocks filled their tier.
+    pub skipped: u64,
+    /// Pins that expired before being released.
+    pub pins_expired: u64,
     /// Blocks onboarded from host memory.
     pub onboarded_host: u64,
     /// The disk tier's.
@@ -188,7 +206,22 @@ pub struct BlockStore {
     host: TierSet<HostBlock>,
     /// Disk, then remote (as [`LOWER_TIERS`]).
     lower: [Lower; 2],
+    /// Pinned blocks and their deadlines (in the edge's clock).
+    pins: Pins,
     counters: StoreCounters,
+}
+
+/// Pinned blocks: not evicted from any tier until their deadline.
+#[derive(Debug)]
+struct Pins {
+    until: HashMap<BlockId, u64>,
+    max: usize,
+}
+
+impl Pins {
+    fn contains(&self, id: &BlockId) -> bool {
+        self.until.contains_key(id)
+    }
 }
 
 /// A lower tier: an index of blocks whose bytes live at the edge (each block's value is its
@@ -209,12 +242,13 @@ impl Lower {
         }
     }
 
-    /// Evicts least recently used blocks until `bytes` fit, deleting their copies.
-    fn make_room(&mut self, bytes: u64, effects: &mut Vec<Effect>) {
-        while self.set.free() < bytes {
-            let Some(victim) = self.set.oldest() else {
-                return;
-            };
+    /// Evicts least recently used unpinned blocks until `bytes` fit, deleting their copies;
+    /// false (and nothing evicted) when pinned blocks leave too little room.
+    fn make_room(&mut self, bytes: u64, pins: &Pins, effects: &mut Vec<Effect>) -> bool {
+        let Some(victims) = self.set.victims(bytes, |id| pins.contains(id)) else {
+            return false;
+        };
+        for victim in victims {
             self.set.remove(&victim);
             self.counters.evicted += 1;
             effects.push(Effect::Delete {
@@ -223,10 +257,11 @@ impl Lower {
             });
             effects.push(removed(victim, self.tier));
         }
+        true
     }
 
-    /// Makes room for and inserts a block the tier lacks, with its write (the caller
-    /// publishes its `Stored`).
+    /// Inserts a block the tier lacks, with its write, once [`Lower::make_room`] made room
+    /// (the caller publishes its `Stored`).
     fn insert(
         &mut self,
         id: BlockId,
@@ -235,7 +270,6 @@ impl Lower {
         data: &Bytes,
         effects: &mut Vec<Effect>,
     ) {
-        self.make_room(bytes, effects);
         self.set.insert(id, bytes, parent);
         self.counters.stored += 1;
         effects.push(Effect::Write {
@@ -315,6 +349,10 @@ impl BlockStore {
                 Lower::new(Tier::Disk, config.disk_bytes),
                 Lower::new(Tier::Remote, config.remote_bytes),
             ],
+            pins: Pins {
+                until: HashMap::new(),
+                max: config.max_pins,
+            },
             counters: StoreCounters::default(),
         }
     }
@@ -409,7 +447,13 @@ impl BlockStore {
                 // run first if room must be made.
                 if self.host.free() < want {
                     run.flush(effects);
-                    self.make_host_room(want, effects);
+                    if !self.make_host_room(want, effects) {
+                        done.skipped += 1;
+                        self.counters.skipped += 1;
+                        run.skip(*key, effects);
+                        before = Some(*key);
+                        continue;
+                    }
                 }
                 self.host.insert(
                     id,
@@ -444,17 +488,22 @@ impl BlockStore {
         let mut before = parent;
         for (key, data) in blocks {
             let id = BlockId { layout, key: *key };
-            let mut stored = false;
+            let (mut stored, mut present) = (false, false);
             for (lower, run) in self.lower.iter_mut().zip(&mut runs) {
                 if !lower.set.fits(want) {
                     continue;
                 }
                 if lower.set.touch(&id) {
+                    present = true;
                     run.skip(*key, effects);
                     continue;
                 }
                 if lower.set.free() < want {
                     run.flush(effects);
+                }
+                if !lower.make_room(want, &self.pins, effects) {
+                    run.skip(*key, effects);
+                    continue;
                 }
                 lower.insert(id, want, before, data, effects);
                 run.keys.push(*key);
@@ -462,8 +511,11 @@ impl BlockStore {
             }
             if stored {
                 done.stored += 1;
-            } else {
+            } else if present {
                 done.present += 1;
+            } else {
+                done.skipped += 1;
+                self.counters.skipped += 1;
             }
             before = Some(*key);
         }
@@ -473,19 +525,22 @@ impl BlockStore {
         done
     }
 
-    /// Evicts host blocks, least recently used first, until `bytes` fit; each is demoted.
-    fn make_host_room(&mut self, bytes: u64, effects: &mut Vec<Effect>) {
-        while self.host.free() < bytes {
-            let Some(victim) = self.host.oldest() else {
-                return;
-            };
+    /// Evicts unpinned host blocks, least recently used first, until `bytes` fit; each is
+    /// demoted. False (and nothing evicted) when pinned blocks leave too little room.
+    fn make_host_room(&mut self, bytes: u64, effects: &mut Vec<Effect>) -> bool {
+        let pins = &self.pins;
+        let Some(victims) = self.host.victims(bytes, |id| pins.contains(id)) else {
+            return false;
+        };
+        for victim in victims {
             let Some(gone) = self.host.remove(&victim) else {
-                return;
+                continue;
             };
             self.counters.host_evicted += 1;
             effects.push(removed(victim, Tier::Host));
             self.demote(victim, gone.bytes, &gone.value, effects);
         }
+        true
     }
 
     /// Writes a block leaving host memory to every lower tier that fits it and lacks it.
@@ -493,7 +548,10 @@ impl BlockStore {
         let token_count = self.layouts.get(id.layout).map_or(0, |l| l.block_size);
         let mut written = false;
         for lower in &mut self.lower {
-            if lower.set.touch(&id) || !lower.set.fits(bytes) {
+            if lower.set.touch(&id)
+                || !lower.set.fits(bytes)
+                || !lower.make_room(bytes, &self.pins, effects)
+            {
                 continue;
             }
             lower.insert(id, bytes, block.parent, &block.data, effects);
@@ -597,10 +655,9 @@ impl BlockStore {
         let Some(parent) = lower.set.get(&id).map(|r| r.value) else {
             return Ok(());
         };
-        if !self.host.fits(want) || self.host.contains(&id) {
+        if !self.host.fits(want) || self.host.contains(&id) || !self.make_host_room(want, effects) {
             return Ok(());
         }
-        self.make_host_room(want, effects);
         self.host.insert(id, want, HostBlock { data, parent });
         self.counters.host_stored += 1;
         effects.push(Effect::Publish {
@@ -629,8 +686,62 @@ impl BlockStore {
         }
     }
 
-    /// Drops every block of every tier (the lower tiers' copies are deleted too).
+    /// Pins the leading blocks of `keys` the store holds (in any tier) until `until`, in the
+    /// edge's clock (a later deadline of an existing pin is kept); returns how many are
+    /// pinned, fewer when the pin limit is reached.
+    pub fn pin(
+        &mut self,
+        layout: LayoutId,
+        keys: &[BlockKey],
+        until: u64,
+    ) -> Result<u32, StoreError> {
+        let held = self.lookup(layout, keys)?.any as usize;
+        let mut pinned = 0;
+        for key in keys.iter().take(held) {
+            let id = BlockId { layout, key: *key };
+            if let Some(t) = self.pins.until.get_mut(&id) {
+                *t = (*t).max(until);
+            } else if self.pins.until.len() < self.pins.max {
+                self.pins.until.insert(id, until);
+            } else {
+                break;
+            }
+            pinned += 1;
+        }
+        Ok(pinned)
+    }
+
+    /// Releases the pins of `keys`; returns how many there were.
+    pub fn unpin(&mut self, layout: LayoutId, keys: &[BlockKey]) -> Result<u32, StoreError> {
+        self.check_layout(layout)?;
+        let gone = keys
+            .iter()
+            .filter(|key| {
+                self.pins
+                    .until
+                    .remove(&BlockId { layout, key: **key })
+                    .is_some()
+            })
+            .count();
+        Ok(gone as u32)
+    }
+
+    /// Drops the pins whose deadline is at or before `now`.
+    pub fn expire_pins(&mut self, now: u64) {
+        let before = self.pins.until.len();
+        self.pins.until.retain(|_, until| *until > now);
+        self.counters.pins_expired += (before - self.pins.until.len()) as u64;
+    }
+
+    /// Blocks pinned now.
+    pub fn pinned(&self) -> usize {
+        self.pins.until.len()
+    }
+
+    /// Drops every block of every tier (the lower tiers' copies are deleted too), and every
+    /// pin.
     pub fn clear(&mut self, effects: &mut Vec<Effect>) {
+        self.pins.until.clear();
         self.host.clear();
         for lower in &mut self.lower {
             for id in lower.set.clear() {

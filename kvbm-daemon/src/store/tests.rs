@@ -34,7 +34,8 @@ fn id(layout: u32, key: u64) -> BlockId {
     }
 }
 
-/// Three LRU lists (host, disk, remote), least recently used first, written the obvious way.
+/// Three LRU lists (host, disk, remote), least recently used first, and the pins, written the
+/// obvious way.
 #[derive(Debug, Default)]
 struct Model {
     host_cap: u64,
@@ -45,6 +46,10 @@ struct Model {
     /// The chain parent each tier recorded for a block when it stored it (0 host, 1 disk,
     /// 2 remote); entries of blocks no longer resident are ignored.
     parents: HashMap<(usize, BlockId), Option<BlockKey>>,
+    /// Pinned blocks and their deadlines.
+    pins: HashMap<BlockId, u64>,
+    max_pins: usize,
+    now: u64,
 }
 
 fn used(list: &[(BlockId, u64)]) -> u64 {
@@ -66,28 +71,69 @@ fn has(list: &[(BlockId, u64)], id: BlockId) -> bool {
     list.iter().any(|(i, _)| *i == id)
 }
 
+/// What putting a block into a lower tier did.
+#[derive(Debug, PartialEq)]
+enum Put {
+    Present,
+    Stored,
+    NoRoom,
+}
+
 impl Model {
-    /// Touches or inserts (nothing when the tier cannot hold the block at all).
-    fn put_lower(&mut self, i: usize, id: BlockId, bytes: u64, parent: Option<BlockKey>) {
-        if bump(&mut self.lower[i], id) || bytes > self.lower_cap[i] {
-            return;
+    /// Makes room for `bytes` in `list` (capacity `cap`) by removing its oldest unpinned
+    /// blocks, returning them; `None`, removing nothing, when pinned blocks leave too little.
+    fn room(
+        pins: &HashMap<BlockId, u64>,
+        list: &mut Vec<(BlockId, u64)>,
+        cap: u64,
+        bytes: u64,
+    ) -> Option<Vec<(BlockId, u64)>> {
+        let pinned: u64 = list
+            .iter()
+            .filter(|(i, _)| pins.contains_key(i))
+            .map(|(_, b)| b)
+            .sum();
+        if cap < pinned + bytes {
+            return None;
         }
-        while used(&self.lower[i]) + bytes > self.lower_cap[i] {
-            self.lower[i].remove(0);
+        let mut out = Vec::new();
+        while used(list) + bytes > cap {
+            let p = list.iter().position(|(i, _)| !pins.contains_key(i))?;
+            out.push(list.remove(p));
+        }
+        Some(out)
+    }
+
+    /// Touches or inserts (`NoRoom` when the tier cannot hold the block now).
+    fn put_lower(&mut self, i: usize, id: BlockId, bytes: u64, parent: Option<BlockKey>) -> Put {
+        if bytes > self.lower_cap[i] {
+            return Put::NoRoom;
+        }
+        if bump(&mut self.lower[i], id) {
+            return Put::Present;
+        }
+        if Self::room(&self.pins, &mut self.lower[i], self.lower_cap[i], bytes).is_none() {
+            return Put::NoRoom;
         }
         self.lower[i].push((id, bytes));
         self.parents.insert((i + 1, id), parent);
+        Put::Stored
     }
 
-    fn put_host(&mut self, id: BlockId, bytes: u64, parent: Option<BlockKey>) {
-        while used(&self.host) + bytes > self.host_cap {
-            let (victim, b) = self.host.remove(0);
+    /// Inserts into host memory, demoting what it evicts; false when pinned blocks leave too
+    /// little room.
+    fn put_host(&mut self, id: BlockId, bytes: u64, parent: Option<BlockKey>) -> bool {
+        let Some(victims) = Self::room(&self.pins, &mut self.host, self.host_cap, bytes) else {
+            return false;
+        };
+        for (victim, b) in victims {
             let p = self.parents.get(&(0, victim)).copied().flatten();
             self.put_lower(0, victim, b, p);
             self.put_lower(1, victim, b, p);
         }
         self.host.push((id, bytes));
         self.parents.insert((0, id), parent);
+        true
     }
 
     fn offload(&mut self, layout: u32, keys: &[u64], bytes: u64) -> Offloaded {
@@ -100,26 +146,43 @@ impl Model {
             if bytes <= self.host_cap {
                 if bump(&mut self.host, id) {
                     out.present += 1;
-                } else {
+                } else if self.put_host(id, bytes, parent) {
                     out.stored += 1;
-                    self.put_host(id, bytes, parent);
+                } else {
+                    out.skipped += 1;
                 }
                 continue;
             }
-            let mut stored = false;
-            for i in 0..2 {
-                if bytes <= self.lower_cap[i] && !has(&self.lower[i], id) {
-                    stored = true;
-                }
-                self.put_lower(i, id, bytes, parent);
-            }
-            if stored {
+            let puts = [0, 1].map(|i| self.put_lower(i, id, bytes, parent));
+            if puts.contains(&Put::Stored) {
                 out.stored += 1;
-            } else {
+            } else if puts.contains(&Put::Present) {
                 out.present += 1;
+            } else {
+                out.skipped += 1;
             }
         }
         out
+    }
+
+    /// Pins the leading held keys until `until`; how many.
+    fn pin(&mut self, layout: u32, keys: &[u64], until: u64) -> u32 {
+        let mut n = 0;
+        for k in keys {
+            let id = id(layout, *k);
+            if !has(&self.host, id) && !self.lower.iter().any(|l| has(l, id)) {
+                break;
+            }
+            if let Some(t) = self.pins.get_mut(&id) {
+                *t = (*t).max(until);
+            } else if self.pins.len() < self.max_pins {
+                self.pins.insert(id, until);
+            } else {
+                break;
+            }
+            n += 1;
+        }
+        n
     }
 
     /// Per block found: 0 host, 1 disk, 2 remote.
@@ -143,7 +206,7 @@ impl Model {
     fn promote(&mut self, id: BlockId, from: usize, bytes: u64) {
         if has(&self.lower[from], id) && !has(&self.host, id) && bytes <= self.host_cap {
             let p = self.parents.get(&(from + 1, id)).copied().flatten();
-            self.put_host(id, bytes, p);
+            let _ = self.put_host(id, bytes, p);
         }
     }
 }
@@ -213,11 +276,40 @@ impl Receiver {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Offload { layout: u32, keys: Vec<u64> },
-    Onboard { layout: u32, keys: Vec<u64> },
-    Lookup { layout: u32, keys: Vec<u64> },
-    Promote { layout: u32, key: u64, from: usize },
-    Lost { layout: u32, key: u64, from: usize },
+    Offload {
+        layout: u32,
+        keys: Vec<u64>,
+    },
+    Onboard {
+        layout: u32,
+        keys: Vec<u64>,
+    },
+    Lookup {
+        layout: u32,
+        keys: Vec<u64>,
+    },
+    Promote {
+        layout: u32,
+        key: u64,
+        from: usize,
+    },
+    Lost {
+        layout: u32,
+        key: u64,
+        from: usize,
+    },
+    Pin {
+        layout: u32,
+        keys: Vec<u64>,
+        ttl: u64,
+    },
+    Unpin {
+        layout: u32,
+        keys: Vec<u64>,
+    },
+    Tick {
+        ms: u64,
+    },
     Clear,
 }
 
@@ -231,6 +323,10 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(layout, key, from)| Op::Promote { layout, key, from }),
         1 => (0u32..2, 0u64..16, 0usize..2)
             .prop_map(|(layout, key, from)| Op::Lost { layout, key, from }),
+        2 => (0u32..2, keys(), 1u64..50)
+            .prop_map(|(layout, keys, ttl)| Op::Pin { layout, keys, ttl }),
+        1 => (0u32..2, keys()).prop_map(|(layout, keys)| Op::Unpin { layout, keys }),
+        2 => (0u64..40).prop_map(|ms| Op::Tick { ms }),
         1 => Just(Op::Clear),
     ]
 }
@@ -238,15 +334,22 @@ fn op() -> impl Strategy<Value = Op> {
 /// Layout 0 has 8-byte blocks, layout 1 16-byte ones.
 const BYTES: [u64; 2] = [8, 16];
 
-fn check(host_cap: u64, lower_cap: [u64; 2], ops: Vec<Op>) -> Result<(), TestCaseError> {
+fn check(
+    host_cap: u64,
+    lower_cap: [u64; 2],
+    max_pins: usize,
+    ops: Vec<Op>,
+) -> Result<(), TestCaseError> {
     let mut store = BlockStore::new(StoreConfig {
         host_bytes: host_cap,
         disk_bytes: lower_cap[0],
         remote_bytes: lower_cap[1],
+        max_pins,
     });
     let mut model = Model {
         host_cap,
         lower_cap,
+        max_pins,
         ..Model::default()
     };
     let mut rx = Receiver::default();
@@ -321,10 +424,32 @@ fn check(host_cap: u64, lower_cap: [u64; 2], ops: Vec<Op>) -> Result<(), TestCas
                 // The tier lost it: the receiver's copy too.
                 rx.written.remove(&(LOWER_TIERS[from], id(layout, key)));
             }
+            Op::Pin { layout, keys, ttl } => {
+                let k: Vec<BlockKey> = keys.iter().map(|k| BlockKey(*k)).collect();
+                let until = model.now + ttl;
+                let got = store.pin(LayoutId(layout), &k, until).unwrap();
+                prop_assert_eq!(got, model.pin(layout, &keys, until));
+            }
+            Op::Unpin { layout, keys } => {
+                let k: Vec<BlockKey> = keys.iter().map(|k| BlockKey(*k)).collect();
+                let got = store.unpin(LayoutId(layout), &k).unwrap();
+                let want = keys
+                    .iter()
+                    .filter(|k| model.pins.remove(&id(layout, **k)).is_some())
+                    .count();
+                prop_assert_eq!(got as usize, want);
+            }
+            Op::Tick { ms } => {
+                model.now += ms;
+                store.expire_pins(model.now);
+                let now = model.now;
+                model.pins.retain(|_, until| *until > now);
+            }
             Op::Clear => {
                 store.clear(&mut fx);
                 model.host.clear();
                 model.lower = Default::default();
+                model.pins.clear();
             }
         }
         rx.apply(fx);
@@ -359,6 +484,7 @@ fn check(host_cap: u64, lower_cap: [u64; 2], ops: Vec<Op>) -> Result<(), TestCas
             );
         }
         prop_assert_eq!(rx.written.keys().copied().collect::<HashSet<_>>(), written);
+        prop_assert_eq!(store.pinned(), model.pins.len());
         for l in 0..2u32 {
             let n: usize = [Tier::Host, Tier::Disk, Tier::Remote]
                 .into_iter()
@@ -381,9 +507,10 @@ proptest! {
         host_blocks in 0u64..8,
         disk_blocks in 0u64..6,
         remote_blocks in 0u64..10,
+        max_pins in 0usize..6,
         ops in proptest::collection::vec(op(), 1..60),
     ) {
-        check(host_blocks * 8, [disk_blocks * 8, remote_blocks * 8], ops)?;
+        check(host_blocks * 8, [disk_blocks * 8, remote_blocks * 8], max_pins, ops)?;
     }
 }
 
@@ -393,6 +520,7 @@ fn an_offload_is_validated_before_anything_changes() {
         host_bytes: 64,
         disk_bytes: 0,
         remote_bytes: 0,
+        max_pins: 64,
     });
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
@@ -419,6 +547,7 @@ fn a_chain_is_one_stored_event_with_its_parent_and_tokens() {
         host_bytes: 64,
         disk_bytes: 0,
         remote_bytes: 64,
+        max_pins: 64,
     });
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
@@ -430,7 +559,8 @@ fn a_chain_is_one_stored_event_with_its_parent_and_tokens() {
         got,
         Offloaded {
             stored: 3,
-            present: 0
+            present: 0,
+            skipped: 0
         }
     );
     assert_eq!(
@@ -454,6 +584,7 @@ fn host_eviction_demotes_to_remote_with_the_blocks_parent() {
         host_bytes: 16,
         disk_bytes: 0,
         remote_bytes: 64,
+        max_pins: 64,
     });
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
@@ -505,6 +636,7 @@ fn host_evictions_go_to_disk_and_remote_and_onboards_prefer_disk() {
         host_bytes: 8,
         disk_bytes: 16,
         remote_bytes: 64,
+        max_pins: 64,
     });
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
@@ -577,6 +709,7 @@ fn without_host_memory_a_chain_goes_to_each_lower_tier_as_one_event() {
         host_bytes: 0,
         disk_bytes: 64,
         remote_bytes: 64,
+        max_pins: 64,
     });
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
@@ -586,7 +719,8 @@ fn without_host_memory_a_chain_goes_to_each_lower_tier_as_one_event() {
         done,
         Offloaded {
             stored: 2,
-            present: 0
+            present: 0,
+            skipped: 0
         }
     );
     for tier in LOWER_TIERS {
@@ -607,7 +741,8 @@ fn without_host_memory_a_chain_goes_to_each_lower_tier_as_one_event() {
         again,
         Offloaded {
             stored: 0,
-            present: 2
+            present: 2,
+            skipped: 0
         }
     );
     assert!(fx.is_empty());

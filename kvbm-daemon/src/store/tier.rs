@@ -77,6 +77,7 @@ impl<T> TierSet<T> {
     }
 
     /// The least recently used block, if any.
+    #[cfg(test)]
     pub(crate) fn oldest(&self) -> Option<BlockId> {
         self.order.first_key_value().map(|(_, id)| *id)
     }
@@ -84,6 +85,29 @@ impl<T> TierSet<T> {
     /// Free bytes.
     pub(crate) const fn free(&self) -> u64 {
         self.capacity.saturating_sub(self.used)
+    }
+
+    /// The least recently used blocks, skipping those `pinned` says are pinned, whose
+    /// removal leaves `bytes` free: empty when they already are, `None` when even every
+    /// unpinned block would not free enough (then nothing should be evicted).
+    pub(crate) fn victims(
+        &self,
+        bytes: u64,
+        pinned: impl Fn(&BlockId) -> bool,
+    ) -> Option<Vec<BlockId>> {
+        let mut free = self.free();
+        let mut out = Vec::new();
+        for id in self.order.values() {
+            if free >= bytes {
+                break;
+            }
+            if pinned(id) {
+                continue;
+            }
+            free += self.entries.get(id).map_or(0, |e| e.bytes);
+            out.push(*id);
+        }
+        (free >= bytes).then_some(out)
     }
 
     /// Inserts `id` as most recently used. The caller made room first (`bytes ≤ free`) and
@@ -154,5 +178,18 @@ mod tests {
         assert_eq!(t.clear(), vec![id(1)]);
         assert_eq!((t.used(), t.len(), t.oldest()), (0, 0, None));
         assert!(t.fits(10) && !t.fits(11));
+    }
+
+    #[test]
+    fn victims_skip_pinned_blocks_and_refuse_when_they_cannot_free_enough() {
+        let mut t = TierSet::new(12);
+        for k in 1..=3 {
+            t.insert(id(k), 4, ());
+        }
+        assert_eq!(t.victims(0, |_| false), Some(vec![]));
+        assert_eq!(t.victims(4, |_| false), Some(vec![id(1)]));
+        assert_eq!(t.victims(8, |i| *i == id(1)), Some(vec![id(2), id(3)]));
+        assert_eq!(t.victims(12, |i| *i == id(2)), None);
+        assert_eq!(t.len(), 3, "asking evicts nothing");
     }
 }
