@@ -37,6 +37,12 @@ use crate::store::{
     BlockId, BlockStore, Effect, Found, Layout, LayoutId, Lookup, Offloaded, StoreError,
 };
 
+/// Disk reads an onboard keeps in flight ahead of the block it is at.
+const READ_AHEAD: usize = 16;
+
+/// A disk read running on the blocking pool.
+type DiskRead = tokio::task::JoinHandle<Result<Option<Bytes>, DiskError>>;
+
 /// The largest block the remote tier takes (Redis's default `proto-max-bulk-len`).
 pub const MAX_REMOTE_BLOCK_BYTES: u64 = 512 << 20;
 
@@ -354,19 +360,42 @@ impl Service {
                 .ok_or(StoreError::UnknownLayout(layout.0))?;
             (found, l.fingerprint(), l.block_bytes)
         };
+        let found: Vec<(Tier, Option<Bytes>)> = found
+            .into_iter()
+            .map(|f| match f {
+                Found::Host(data) => (Tier::Host, Some(data)),
+                Found::Disk => (Tier::Disk, None),
+                Found::Remote => (Tier::Remote, None),
+            })
+            .collect();
+        // Disk reads run ahead of the chain, up to READ_AHEAD at once (an NVMe serves many
+        // reads in parallel); results are taken in chain order.
+        let mut ahead: HashMap<usize, DiskRead> = HashMap::new();
+        let mut spawned = 0;
         let mut out = Vec::with_capacity(found.len());
-        for (found, key) in found.into_iter().zip(keys) {
-            let tier = match found {
-                Found::Host(data) => {
-                    out.push((data, Tier::Host));
-                    continue;
+        for (i, ((tier, data), key)) in found.iter().zip(keys).enumerate() {
+            if let Some(data) = data {
+                out.push((data.clone(), Tier::Host));
+                continue;
+            }
+            let tier = *tier;
+            while spawned < found.len() && spawned < i + READ_AHEAD {
+                if let (Some((Tier::Disk, None)), Some(k)) = (found.get(spawned), keys.get(spawned))
+                {
+                    let name = tier_name(Tier::Disk, fingerprint, *k);
+                    if let Some(read) = self.spawn_disk_read(name, block_bytes) {
+                        ahead.insert(spawned, read);
+                    }
                 }
-                Found::Disk => Tier::Disk,
-                Found::Remote => Tier::Remote,
-            };
+                spawned += 1;
+            }
             let name = tier_name(tier, fingerprint, *key);
             let id = BlockId { layout, key: *key };
-            let read = match self.read(tier, name.clone(), block_bytes).await {
+            let result = match ahead.remove(&i) {
+                Some(read) => Self::disk_result(read).await,
+                None => self.read(tier, name.clone(), block_bytes).await,
+            };
+            let read = match result {
                 Ok(data) => data.filter(|d| d.len() as u64 == block_bytes),
                 Err((kind, message)) => {
                     let label = tier_label(tier);
@@ -422,6 +451,19 @@ impl Service {
         Ok(None)
     }
 
+    /// Starts reading a block's file on the blocking pool (none without a disk tier).
+    fn spawn_disk_read(&self, name: String, len: u64) -> Option<DiskRead> {
+        let disk = self.backends.disk.clone()?;
+        Some(tokio::task::spawn_blocking(move || disk.read(&name, len)))
+    }
+
+    /// A started disk read's outcome.
+    async fn disk_result(read: DiskRead) -> Result<Option<Bytes>, (&'static str, String)> {
+        read.await
+            .map_err(|e| ("io", e.to_string()))?
+            .map_err(|e: DiskError| (e.metric_label(), e.to_string()))
+    }
+
     /// A block's bytes from a lower tier: its write queue first, then the back end.
     async fn read(
         &self,
@@ -434,15 +476,10 @@ impl Service {
             return Ok(queued);
         }
         match tier {
-            Tier::Disk => {
-                let Some(disk) = self.backends.disk.clone() else {
-                    return Ok(None);
-                };
-                tokio::task::spawn_blocking(move || disk.read(&name, len))
-                    .await
-                    .map_err(|e| ("io", e.to_string()))?
-                    .map_err(|e: DiskError| (e.metric_label(), e.to_string()))
-            }
+            Tier::Disk => match self.spawn_disk_read(name, len) {
+                Some(read) => Self::disk_result(read).await,
+                None => Ok(None),
+            },
             _ => match &self.backends.redis {
                 Some(redis) => redis
                     .get(name.as_bytes())
