@@ -37,8 +37,10 @@ use crate::store::{
     BlockId, BlockStore, Effect, Found, Layout, LayoutId, Lookup, Offloaded, StoreError,
 };
 
-/// Disk reads an onboard keeps in flight ahead of the block it is at.
+/// Disk reads an onboard keeps in flight ahead of the block it is at, at most…
 const READ_AHEAD: usize = 16;
+/// …and at most this many bytes of them (at least one read).
+const READ_AHEAD_BYTES: u64 = 64 << 20;
 
 /// A disk read running on the blocking pool.
 type DiskRead = tokio::task::JoinHandle<Result<Option<Bytes>, DiskError>>;
@@ -368,8 +370,11 @@ impl Service {
                 Found::Remote => (Tier::Remote, None),
             })
             .collect();
-        // Disk reads run ahead of the chain, up to READ_AHEAD at once (an NVMe serves many
-        // reads in parallel); results are taken in chain order.
+        // Disk reads run ahead of the chain, up to READ_AHEAD (and READ_AHEAD_BYTES) at once
+        // (an NVMe serves many reads in parallel); results are taken in chain order.
+        let window = usize::try_from(READ_AHEAD_BYTES / block_bytes.max(1))
+            .unwrap_or(READ_AHEAD)
+            .clamp(1, READ_AHEAD);
         let mut ahead: HashMap<usize, DiskRead> = HashMap::new();
         let mut spawned = 0;
         let mut out = Vec::with_capacity(found.len());
@@ -379,7 +384,7 @@ impl Service {
                 continue;
             }
             let tier = *tier;
-            while spawned < found.len() && spawned < i + READ_AHEAD {
+            while spawned < found.len() && spawned < i + window {
                 if let (Some((Tier::Disk, None)), Some(k)) = (found.get(spawned), keys.get(spawned))
                 {
                     let name = tier_name(Tier::Disk, fingerprint, *k);
