@@ -162,6 +162,8 @@ async fn serve(args: Args) -> Result<(), AppError> {
         disk_bytes,
         remote_bytes,
         max_pins: args.max_pinned_blocks,
+        disk_min_uses: args.disk_min_uses,
+        disk_write_through: args.disk_write_through,
     });
     let epoch = kv_bridge::epoch::random_epoch();
     let outbox = Outbox::new(

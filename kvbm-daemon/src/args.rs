@@ -39,6 +39,14 @@ pub struct Args {
     /// page-cache I/O.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub disk_direct_io: bool,
+    /// Uses (offloads and onboards, estimated by a frequency sketch) a block needs before
+    /// it is written to disk, so blocks used once do not wear the disk; 0 admits every block.
+    #[arg(long, default_value_t = 0)]
+    pub disk_min_uses: u8,
+    /// Write a block to disk when host memory stores it (if admitted), not only when host
+    /// memory evicts it.
+    #[arg(long)]
+    pub disk_write_through: bool,
     /// Disk puts queued at most; beyond it demotions to disk are dropped and counted (deletes
     /// are never dropped).
     #[arg(long, default_value_t = 4096)]
@@ -175,6 +183,12 @@ mod tests {
         assert_eq!(disk_only.validate(), Ok(()));
         assert!(disk_only.disk_direct_io);
         assert!(!parse(&["--disk-direct-io=false"]).disk_direct_io);
+        let policy = parse(&["--disk-min-uses", "2", "--disk-write-through"]);
+        assert_eq!((policy.disk_min_uses, policy.disk_write_through), (2, true));
+        assert_eq!(
+            (disk_only.disk_min_uses, disk_only.disk_write_through),
+            (0, false)
+        );
     }
 
     #[test]

@@ -291,6 +291,13 @@ impl Metrics {
             c.pins_expired as f64,
         )
         .single(
+            "kvgate_kvbm_disk_rejected_blocks_total",
+            Kind::Counter,
+            "Blocks the disk's admission filter kept off the disk (used fewer than --disk-min-uses times).",
+            &[],
+            c.disk_rejected as f64,
+        )
+        .single(
             "kvgate_kvbm_offload_skipped_blocks_total",
             Kind::Counter,
             "Offloaded blocks not stored because pinned blocks filled their tier.",

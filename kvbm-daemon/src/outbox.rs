@@ -307,6 +307,8 @@ mod tests {
             disk_bytes: 0,
             remote_bytes: 8 * 8,
             max_pins: 0,
+            disk_min_uses: 0,
+            disk_write_through: false,
         });
         let layout = |dtype: &str, shard, shards| Layout {
             model: "m".into(),

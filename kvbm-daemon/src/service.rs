@@ -836,6 +836,8 @@ mod tests {
                 disk_bytes: 0,
                 remote_bytes: 64 * B,
                 max_pins: 1024,
+                disk_min_uses: 0,
+                disk_write_through: false,
             }),
             Outbox::new(
                 Identity {
@@ -896,6 +898,8 @@ mod tests {
                 disk_bytes: 4 * B,
                 remote_bytes: 0,
                 max_pins: 1024,
+                disk_min_uses: 0,
+                disk_write_through: false,
             }),
             Outbox::new(
                 Identity {

@@ -17,6 +17,12 @@
 //! applies the events in order holds exactly the store's residency (a property test checks
 //! this).
 //!
+//! **Disk admission.** With [`StoreConfig::disk_min_uses`] above 0, a block goes to disk
+//! only once it was used (offloaded or onboarded) that many times, as a frequency sketch
+//! estimates, so blocks used once do not wear the disk; Redis takes them either way. With
+//! [`StoreConfig::disk_write_through`], a block stored in host memory is written to disk at
+//! once (if admitted), instead of when host memory evicts it.
+//!
 //! **Pins.** A connector can pin the leading blocks of a chain it found (between a lookup and
 //! the onboard that loads them) until a deadline: a pinned block is not evicted from any tier.
 //! The store has no clock: deadlines are plain numbers, and the edge expires pins
@@ -28,6 +34,7 @@
 //! Every operation validates its whole input before it changes anything.
 
 mod layout;
+mod sketch;
 mod tier;
 
 use std::collections::HashMap;
@@ -37,6 +44,7 @@ use kv_events::{BlockKey, KvEvent, Tier};
 
 use layout::Layouts;
 pub use layout::{Layout, LayoutError, LayoutId, MAX_LAYOUTS, MAX_NAME_BYTES, MAX_SHARDS};
+use sketch::Sketch;
 use tier::TierSet;
 
 /// A block's address: its layout and its kvgate key.
@@ -59,6 +67,11 @@ pub struct StoreConfig {
     pub remote_bytes: u64,
     /// Blocks pinned at once at most.
     pub max_pins: usize,
+    /// Uses (offloads and onboards, as estimated) a block needs before it is written to
+    /// disk; 0 admits every block.
+    pub disk_min_uses: u8,
+    /// Write blocks to disk when host memory stores them, not when it evicts them.
+    pub disk_write_through: bool,
 }
 
 /// The tiers below host memory, in the order an onboard searches them.
@@ -174,6 +187,8 @@ pub struct StoreCounters {
     pub skipped: u64,
     /// Pins that expired before being released.
     pub pins_expired: u64,
+    /// Blocks the disk's admission filter kept off the disk (used too few times).
+    pub disk_rejected: u64,
     /// Blocks onboarded from host memory.
     pub onboarded_host: u64,
     /// The disk tier's.
@@ -208,6 +223,10 @@ pub struct BlockStore {
     lower: [Lower; 2],
     /// Pinned blocks and their deadlines (in the edge's clock).
     pins: Pins,
+    /// Block uses, for the disk's admission filter (when it is on).
+    uses: Option<Sketch>,
+    disk_min_uses: u8,
+    disk_write_through: bool,
     counters: StoreCounters,
 }
 
@@ -353,6 +372,9 @@ impl BlockStore {
                 until: HashMap::new(),
                 max: config.max_pins,
             },
+            uses: (config.disk_min_uses > 0).then(|| Sketch::new(1 << 16)),
+            disk_min_uses: config.disk_min_uses,
+            disk_write_through: config.disk_write_through,
             counters: StoreCounters::default(),
         }
     }
@@ -390,6 +412,28 @@ impl BlockStore {
             .ok_or(StoreError::UnknownLayout(layout.0))
     }
 
+    /// Counts a use of `id` for the disk's admission filter.
+    fn record_use(&mut self, id: &BlockId) {
+        if let Some(uses) = &mut self.uses {
+            uses.record(id);
+        }
+    }
+
+    /// Whether `tier` takes `id` now: the disk only once the block was used often enough.
+    fn admits(
+        uses: Option<&Sketch>,
+        min: u8,
+        tier: Tier,
+        id: &BlockId,
+        rejected: &mut u64,
+    ) -> bool {
+        let ok = tier != Tier::Disk || uses.is_none_or(|u| u.estimate(id) >= min);
+        if !ok {
+            *rejected += 1;
+        }
+        ok
+    }
+
     fn lower(&self, tier: Tier) -> Option<&Lower> {
         self.lower.iter().find(|l| l.tier == tier)
     }
@@ -419,6 +463,9 @@ impl BlockStore {
                 });
             }
         }
+        for (key, _) in blocks {
+            self.record_use(&BlockId { layout, key: *key });
+        }
         Ok(if self.host.fits(want) {
             self.offload_host(layout, parent, blocks, (want, tokens), effects)
         } else {
@@ -435,10 +482,14 @@ impl BlockStore {
         effects: &mut Vec<Effect>,
     ) -> Offloaded {
         let mut run = Run::new(layout, Tier::Host, parent, tokens);
+        let mut disk_run = Run::new(layout, Tier::Disk, parent, tokens);
         let mut done = Offloaded::default();
         let mut before = parent;
         for (key, data) in blocks {
             let id = BlockId { layout, key: *key };
+            if self.disk_write_through {
+                self.write_through(id, before, data, &mut disk_run, effects);
+            }
             if self.host.touch(&id) {
                 done.present += 1;
                 run.skip(*key, effects);
@@ -446,7 +497,9 @@ impl BlockStore {
                 // Evictions (and their events) come before this block's Stored, so flush the
                 // run first if room must be made.
                 if self.host.free() < want {
+                    // Evictions demote into the disk: its pending Stored events go first.
                     run.flush(effects);
+                    disk_run.flush(effects);
                     if !self.make_host_room(want, effects) {
                         done.skipped += 1;
                         self.counters.skipped += 1;
@@ -470,7 +523,40 @@ impl BlockStore {
             before = Some(*key);
         }
         run.flush(effects);
+        disk_run.flush(effects);
         done
+    }
+
+    /// Writes a block that is being offloaded to host memory to disk as well (touches it
+    /// there if present), when the disk admits it and has room.
+    fn write_through(
+        &mut self,
+        id: BlockId,
+        parent: Option<BlockKey>,
+        data: &Bytes,
+        run: &mut Run,
+        effects: &mut Vec<Effect>,
+    ) {
+        let bytes = data.len() as u64;
+        let (uses, min) = (self.uses.as_ref(), self.disk_min_uses);
+        let [disk, _] = &mut self.lower;
+        if !disk.set.fits(bytes) || disk.set.touch(&id) {
+            run.skip(id.key, effects);
+            return;
+        }
+        if !Self::admits(uses, min, Tier::Disk, &id, &mut self.counters.disk_rejected) {
+            run.skip(id.key, effects);
+            return;
+        }
+        if disk.set.free() < bytes {
+            run.flush(effects);
+        }
+        if !disk.make_room(bytes, &self.pins, effects) {
+            run.skip(id.key, effects);
+            return;
+        }
+        disk.insert(id, bytes, parent, data, effects);
+        run.keys.push(id.key);
     }
 
     /// Stores straight into the lower tiers a block fits; a block counts as present when
@@ -489,12 +575,17 @@ impl BlockStore {
         for (key, data) in blocks {
             let id = BlockId { layout, key: *key };
             let (mut stored, mut present) = (false, false);
+            let (uses, min) = (self.uses.as_ref(), self.disk_min_uses);
             for (lower, run) in self.lower.iter_mut().zip(&mut runs) {
                 if !lower.set.fits(want) {
                     continue;
                 }
                 if lower.set.touch(&id) {
                     present = true;
+                    run.skip(*key, effects);
+                    continue;
+                }
+                if !Self::admits(uses, min, lower.tier, &id, &mut self.counters.disk_rejected) {
                     run.skip(*key, effects);
                     continue;
                 }
@@ -547,9 +638,11 @@ impl BlockStore {
     fn demote(&mut self, id: BlockId, bytes: u64, block: &HostBlock, effects: &mut Vec<Effect>) {
         let token_count = self.layouts.get(id.layout).map_or(0, |l| l.block_size);
         let mut written = false;
+        let (uses, min) = (self.uses.as_ref(), self.disk_min_uses);
         for lower in &mut self.lower {
             if lower.set.touch(&id)
                 || !lower.set.fits(bytes)
+                || !Self::admits(uses, min, lower.tier, &id, &mut self.counters.disk_rejected)
                 || !lower.make_room(bytes, &self.pins, effects)
             {
                 continue;
@@ -603,6 +696,9 @@ impl BlockStore {
         let mut out = Vec::new();
         for key in keys {
             let id = BlockId { layout, key: *key };
+            if self.host.contains(&id) || self.lower.iter().any(|l| l.set.contains(&id)) {
+                self.record_use(&id);
+            }
             if self.host.touch(&id) {
                 let data = self
                     .host

@@ -4,6 +4,7 @@ use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
 
+use super::sketch::Sketch;
 use super::*;
 
 fn layout(shard: u32, block_bytes: u64) -> Layout {
@@ -50,6 +51,11 @@ struct Model {
     pins: HashMap<BlockId, u64>,
     max_pins: usize,
     now: u64,
+    /// The disk's admission filter (the store's own sketch type: tested on its own) and
+    /// write-through.
+    uses: Option<Sketch>,
+    min_uses: u8,
+    write_through: bool,
 }
 
 fn used(list: &[(BlockId, u64)]) -> u64 {
@@ -104,13 +110,20 @@ impl Model {
         Some(out)
     }
 
-    /// Touches or inserts (`NoRoom` when the tier cannot hold the block now).
+    /// Touches or inserts (`NoRoom` when the tier cannot hold the block now, or the disk
+    /// does not admit it yet).
     fn put_lower(&mut self, i: usize, id: BlockId, bytes: u64, parent: Option<BlockKey>) -> Put {
         if bytes > self.lower_cap[i] {
             return Put::NoRoom;
         }
         if bump(&mut self.lower[i], id) {
             return Put::Present;
+        }
+        if i == 0
+            && let Some(uses) = &self.uses
+            && uses.estimate(&id) < self.min_uses
+        {
+            return Put::NoRoom;
         }
         if Self::room(&self.pins, &mut self.lower[i], self.lower_cap[i], bytes).is_none() {
             return Put::NoRoom;
@@ -136,7 +149,16 @@ impl Model {
         true
     }
 
+    fn record(&mut self, id: BlockId) {
+        if let Some(uses) = &mut self.uses {
+            uses.record(&id);
+        }
+    }
+
     fn offload(&mut self, layout: u32, keys: &[u64], bytes: u64) -> Offloaded {
+        for k in keys {
+            self.record(id(layout, *k));
+        }
         let mut out = Offloaded::default();
         let mut before = None;
         for k in keys {
@@ -144,6 +166,9 @@ impl Model {
             let parent = before;
             before = Some(BlockKey(*k));
             if bytes <= self.host_cap {
+                if self.write_through {
+                    self.put_lower(0, id, bytes, parent);
+                }
                 if bump(&mut self.host, id) {
                     out.present += 1;
                 } else if self.put_host(id, bytes, parent) {
@@ -190,6 +215,9 @@ impl Model {
         let mut out = Vec::new();
         for k in keys {
             let id = id(layout, *k);
+            if has(&self.host, id) || self.lower.iter().any(|l| has(l, id)) {
+                self.record(id);
+            }
             if bump(&mut self.host, id) {
                 out.push(0);
             } else if bump(&mut self.lower[0], id) {
@@ -334,10 +362,14 @@ fn op() -> impl Strategy<Value = Op> {
 /// Layout 0 has 8-byte blocks, layout 1 16-byte ones.
 const BYTES: [u64; 2] = [8, 16];
 
+/// The disk's policy in a run: (uses needed for admission, write-through).
+type DiskPolicy = (u8, bool);
+
 fn check(
     host_cap: u64,
     lower_cap: [u64; 2],
     max_pins: usize,
+    (min_uses, write_through): DiskPolicy,
     ops: Vec<Op>,
 ) -> Result<(), TestCaseError> {
     let mut store = BlockStore::new(StoreConfig {
@@ -345,11 +377,16 @@ fn check(
         disk_bytes: lower_cap[0],
         remote_bytes: lower_cap[1],
         max_pins,
+        disk_min_uses: min_uses,
+        disk_write_through: write_through,
     });
     let mut model = Model {
         host_cap,
         lower_cap,
         max_pins,
+        uses: (min_uses > 0).then(|| Sketch::new(1 << 16)),
+        min_uses,
+        write_through,
         ..Model::default()
     };
     let mut rx = Receiver::default();
@@ -508,9 +545,12 @@ proptest! {
         disk_blocks in 0u64..6,
         remote_blocks in 0u64..10,
         max_pins in 0usize..6,
+        min_uses in prop_oneof![Just(0u8), 1u8..4],
+        write_through: bool,
         ops in proptest::collection::vec(op(), 1..60),
     ) {
-        check(host_blocks * 8, [disk_blocks * 8, remote_blocks * 8], max_pins, ops)?;
+        let lower = [disk_blocks * 8, remote_blocks * 8];
+        check(host_blocks * 8, lower, max_pins, (min_uses, write_through), ops)?;
     }
 }
 
@@ -521,6 +561,8 @@ fn an_offload_is_validated_before_anything_changes() {
         disk_bytes: 0,
         remote_bytes: 0,
         max_pins: 64,
+        disk_min_uses: 0,
+        disk_write_through: false,
     });
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
@@ -548,6 +590,8 @@ fn a_chain_is_one_stored_event_with_its_parent_and_tokens() {
         disk_bytes: 0,
         remote_bytes: 64,
         max_pins: 64,
+        disk_min_uses: 0,
+        disk_write_through: false,
     });
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
@@ -585,6 +629,8 @@ fn host_eviction_demotes_to_remote_with_the_blocks_parent() {
         disk_bytes: 0,
         remote_bytes: 64,
         max_pins: 64,
+        disk_min_uses: 0,
+        disk_write_through: false,
     });
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
@@ -637,6 +683,8 @@ fn host_evictions_go_to_disk_and_remote_and_onboards_prefer_disk() {
         disk_bytes: 16,
         remote_bytes: 64,
         max_pins: 64,
+        disk_min_uses: 0,
+        disk_write_through: false,
     });
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
@@ -710,6 +758,8 @@ fn without_host_memory_a_chain_goes_to_each_lower_tier_as_one_event() {
         disk_bytes: 64,
         remote_bytes: 64,
         max_pins: 64,
+        disk_min_uses: 0,
+        disk_write_through: false,
     });
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
