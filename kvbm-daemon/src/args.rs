@@ -149,6 +149,11 @@ impl Args {
                     .into(),
             );
         }
+        if self.disk_min_uses > 15 {
+            return Err(
+                "--disk-min-uses must be at most 15 (the use counters saturate there)".into(),
+            );
+        }
         if self.disk_queue == 0 || self.remote_queue == 0 {
             return Err("--disk-queue and --remote-queue must be positive".into());
         }
@@ -195,6 +200,7 @@ mod tests {
     fn bad_configurations_are_explained() {
         for (flags, needle) in [
             (vec!["--disk-queue", "0"], "positive"),
+            (vec!["--disk-min-uses", "16"], "at most 15"),
             (
                 vec!["--host-bytes", "0", "--disk-dir", "/d", "--disk-bytes", "0"],
                 "no tier",

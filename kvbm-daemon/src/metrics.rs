@@ -293,14 +293,14 @@ impl Metrics {
         .single(
             "kvgate_kvbm_disk_rejected_blocks_total",
             Kind::Counter,
-            "Blocks the disk's admission filter kept off the disk (used fewer than --disk-min-uses times).",
+            "Times the disk's admission filter turned a block away (used fewer than --disk-min-uses times).",
             &[],
             c.disk_rejected as f64,
         )
         .single(
             "kvgate_kvbm_offload_skipped_blocks_total",
             Kind::Counter,
-            "Offloaded blocks not stored because pinned blocks filled their tier.",
+            "Offloaded blocks not stored because pinned blocks left their tier no room.",
             &[],
             c.skipped as f64,
         );

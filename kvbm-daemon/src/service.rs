@@ -384,7 +384,11 @@ impl Service {
                 continue;
             }
             let tier = *tier;
+            // Not past a remote block: a Redis timeout there ends the chain.
             while spawned < found.len() && spawned < i + window {
+                if let Some((Tier::Remote, _)) = found.get(spawned) {
+                    break;
+                }
                 if let (Some((Tier::Disk, None)), Some(k)) = (found.get(spawned), keys.get(spawned))
                 {
                     let name = tier_name(Tier::Disk, fingerprint, *k);
@@ -397,7 +401,12 @@ impl Service {
             let name = tier_name(tier, fingerprint, *key);
             let id = BlockId { layout, key: *key };
             let result = match ahead.remove(&i) {
-                Some(read) => Self::disk_result(read).await,
+                // A read started early may have missed a file whose put landed since (and
+                // is no longer queued): a miss is read again, queue first, before it counts.
+                Some(read) => match Self::disk_result(read).await {
+                    Ok(None) => self.read(tier, name.clone(), block_bytes).await,
+                    other => other,
+                },
                 None => self.read(tier, name.clone(), block_bytes).await,
             };
             let read = match result {

@@ -233,13 +233,23 @@ pub struct BlockStore {
 /// Pinned blocks: not evicted from any tier until their deadline.
 #[derive(Debug)]
 struct Pins {
-    until: HashMap<BlockId, u64>,
+    /// Per pinned block: how many pins hold it, and the latest deadline among them.
+    held: HashMap<BlockId, Pin>,
     max: usize,
+    /// No pin expires before this (a lower bound, so most operations skip the expiry scan).
+    next_expiry: u64,
+}
+
+/// The pins on one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pin {
+    count: u32,
+    until: u64,
 }
 
 impl Pins {
     fn contains(&self, id: &BlockId) -> bool {
-        self.until.contains_key(id)
+        self.held.contains_key(id)
     }
 }
 
@@ -369,8 +379,9 @@ impl BlockStore {
                 Lower::new(Tier::Remote, config.remote_bytes),
             ],
             pins: Pins {
-                until: HashMap::new(),
+                held: HashMap::new(),
                 max: config.max_pins,
+                next_expiry: u64::MAX,
             },
             uses: (config.disk_min_uses > 0).then(|| Sketch::new(1 << 16)),
             disk_min_uses: config.disk_min_uses,
@@ -487,9 +498,6 @@ impl BlockStore {
         let mut before = parent;
         for (key, data) in blocks {
             let id = BlockId { layout, key: *key };
-            if self.disk_write_through {
-                self.write_through(id, before, data, &mut disk_run, effects);
-            }
             if self.host.touch(&id) {
                 done.present += 1;
                 run.skip(*key, effects);
@@ -504,6 +512,7 @@ impl BlockStore {
                         done.skipped += 1;
                         self.counters.skipped += 1;
                         run.skip(*key, effects);
+                        disk_run.skip(*key, effects);
                         before = Some(*key);
                         continue;
                     }
@@ -520,6 +529,10 @@ impl BlockStore {
                 run.keys.push(*key);
                 done.stored += 1;
             }
+            // Stored (or already) in host memory: with write-through, on disk too.
+            if self.disk_write_through {
+                self.write_through(id, before, data, &mut disk_run, effects);
+            }
             before = Some(*key);
         }
         run.flush(effects);
@@ -527,7 +540,7 @@ impl BlockStore {
         done
     }
 
-    /// Writes a block that is being offloaded to host memory to disk as well (touches it
+    /// Writes a block that host memory just stored (or had) to disk as well (touches it
     /// there if present), when the disk admits it and has room.
     fn write_through(
         &mut self,
@@ -574,7 +587,7 @@ impl BlockStore {
         let mut before = parent;
         for (key, data) in blocks {
             let id = BlockId { layout, key: *key };
-            let (mut stored, mut present) = (false, false);
+            let (mut stored, mut present, mut no_room) = (false, false, false);
             let (uses, min) = (self.uses.as_ref(), self.disk_min_uses);
             for (lower, run) in self.lower.iter_mut().zip(&mut runs) {
                 if !lower.set.fits(want) {
@@ -593,6 +606,7 @@ impl BlockStore {
                     run.flush(effects);
                 }
                 if !lower.make_room(want, &self.pins, effects) {
+                    no_room = true;
                     run.skip(*key, effects);
                     continue;
                 }
@@ -605,8 +619,11 @@ impl BlockStore {
             } else if present {
                 done.present += 1;
             } else {
+                // Not stored anywhere: pinned blocks left no room, or the disk (the only
+                // tier with room) did not admit it yet. Only the first is counted here; the
+                // filter counts its own.
                 done.skipped += 1;
-                self.counters.skipped += 1;
+                self.counters.skipped += u64::from(no_room);
             }
             before = Some(*key);
         }
@@ -780,11 +797,16 @@ impl BlockStore {
             lower.counters.lost += 1;
             effects.push(removed(id, tier));
         }
+        // A pin on a block no tier holds any more would only take a slot.
+        if !self.host.contains(&id) && !self.lower.iter().any(|l| l.set.contains(&id)) {
+            self.pins.held.remove(&id);
+        }
     }
 
     /// Pins the leading blocks of `keys` the store holds (in any tier) until `until`, in the
-    /// edge's clock (a later deadline of an existing pin is kept); returns how many are
-    /// pinned, fewer when the pin limit is reached.
+    /// edge's clock, and touches them (they are about to be used). Pins are counted per
+    /// block: each `pin` needs its own `unpin`, and the block keeps the latest deadline of
+    /// its pins. Returns how many blocks are pinned, fewer when the pin limit is reached.
     pub fn pin(
         &mut self,
         layout: LayoutId,
@@ -795,49 +817,69 @@ impl BlockStore {
         let mut pinned = 0;
         for key in keys.iter().take(held) {
             let id = BlockId { layout, key: *key };
-            if let Some(t) = self.pins.until.get_mut(&id) {
-                *t = (*t).max(until);
-            } else if self.pins.until.len() < self.pins.max {
-                self.pins.until.insert(id, until);
+            if let Some(p) = self.pins.held.get_mut(&id) {
+                p.count = p.count.saturating_add(1);
+                p.until = p.until.max(until);
+            } else if self.pins.held.len() < self.pins.max {
+                self.pins.held.insert(id, Pin { count: 1, until });
+                self.pins.next_expiry = self.pins.next_expiry.min(until);
             } else {
                 break;
+            }
+            self.host.touch(&id);
+            for lower in &mut self.lower {
+                lower.set.touch(&id);
             }
             pinned += 1;
         }
         Ok(pinned)
     }
 
-    /// Releases the pins of `keys`; returns how many there were.
+    /// Releases one pin of each of `keys`; returns how many blocks had one.
     pub fn unpin(&mut self, layout: LayoutId, keys: &[BlockKey]) -> Result<u32, StoreError> {
         self.check_layout(layout)?;
-        let gone = keys
-            .iter()
-            .filter(|key| {
-                self.pins
-                    .until
-                    .remove(&BlockId { layout, key: **key })
-                    .is_some()
-            })
-            .count();
-        Ok(gone as u32)
+        let mut released = 0;
+        for key in keys {
+            let id = BlockId { layout, key: *key };
+            let Some(p) = self.pins.held.get_mut(&id) else {
+                continue;
+            };
+            released += 1;
+            p.count -= 1;
+            if p.count == 0 {
+                self.pins.held.remove(&id);
+            }
+        }
+        Ok(released)
     }
 
-    /// Drops the pins whose deadline is at or before `now`.
+    /// Drops the pins whose deadline is at or before `now` (cheap while none is due).
     pub fn expire_pins(&mut self, now: u64) {
-        let before = self.pins.until.len();
-        self.pins.until.retain(|_, until| *until > now);
-        self.counters.pins_expired += (before - self.pins.until.len()) as u64;
+        if now < self.pins.next_expiry {
+            return;
+        }
+        let before = self.pins.held.len();
+        self.pins.held.retain(|_, p| p.until > now);
+        self.counters.pins_expired += (before - self.pins.held.len()) as u64;
+        self.pins.next_expiry = self
+            .pins
+            .held
+            .values()
+            .map(|p| p.until)
+            .min()
+            .unwrap_or(u64::MAX);
     }
 
     /// Blocks pinned now.
     pub fn pinned(&self) -> usize {
-        self.pins.until.len()
+        self.pins.held.len()
     }
 
     /// Drops every block of every tier (the lower tiers' copies are deleted too), and every
     /// pin.
     pub fn clear(&mut self, effects: &mut Vec<Effect>) {
-        self.pins.until.clear();
+        self.pins.held.clear();
+        self.pins.next_expiry = u64::MAX;
         self.host.clear();
         for lower in &mut self.lower {
             for id in lower.set.clear() {

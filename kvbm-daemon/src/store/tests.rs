@@ -47,8 +47,8 @@ struct Model {
     /// The chain parent each tier recorded for a block when it stored it (0 host, 1 disk,
     /// 2 remote); entries of blocks no longer resident are ignored.
     parents: HashMap<(usize, BlockId), Option<BlockKey>>,
-    /// Pinned blocks and their deadlines.
-    pins: HashMap<BlockId, u64>,
+    /// Pinned blocks: (pins, latest deadline).
+    pins: HashMap<BlockId, (u32, u64)>,
     max_pins: usize,
     now: u64,
     /// The disk's admission filter (the store's own sketch type: tested on its own) and
@@ -89,7 +89,7 @@ impl Model {
     /// Makes room for `bytes` in `list` (capacity `cap`) by removing its oldest unpinned
     /// blocks, returning them; `None`, removing nothing, when pinned blocks leave too little.
     fn room(
-        pins: &HashMap<BlockId, u64>,
+        pins: &HashMap<BlockId, (u32, u64)>,
         list: &mut Vec<(BlockId, u64)>,
         cap: u64,
         bytes: u64,
@@ -166,15 +166,16 @@ impl Model {
             let parent = before;
             before = Some(BlockKey(*k));
             if bytes <= self.host_cap {
-                if self.write_through {
-                    self.put_lower(0, id, bytes, parent);
-                }
                 if bump(&mut self.host, id) {
                     out.present += 1;
                 } else if self.put_host(id, bytes, parent) {
                     out.stored += 1;
                 } else {
                     out.skipped += 1;
+                    continue;
+                }
+                if self.write_through {
+                    self.put_lower(0, id, bytes, parent);
                 }
                 continue;
             }
@@ -198,12 +199,18 @@ impl Model {
             if !has(&self.host, id) && !self.lower.iter().any(|l| has(l, id)) {
                 break;
             }
-            if let Some(t) = self.pins.get_mut(&id) {
+            if let Some((count, t)) = self.pins.get_mut(&id) {
+                *count += 1;
                 *t = (*t).max(until);
             } else if self.pins.len() < self.max_pins {
-                self.pins.insert(id, until);
+                self.pins.insert(id, (1, until));
             } else {
                 break;
+            }
+            // Pinning touches the block wherever it is.
+            bump(&mut self.host, id);
+            for l in &mut self.lower {
+                bump(l, id);
             }
             n += 1;
         }
@@ -458,6 +465,10 @@ fn check(
             Op::Lost { layout, key, from } => {
                 store.lost(id(layout, key), LOWER_TIERS[from], &mut fx);
                 model.lower[from].retain(|(i, _)| *i != id(layout, key));
+                let block = id(layout, key);
+                if !has(&model.host, block) && !model.lower.iter().any(|l| has(l, block)) {
+                    model.pins.remove(&block);
+                }
                 // The tier lost it: the receiver's copy too.
                 rx.written.remove(&(LOWER_TIERS[from], id(layout, key)));
             }
@@ -470,17 +481,24 @@ fn check(
             Op::Unpin { layout, keys } => {
                 let k: Vec<BlockKey> = keys.iter().map(|k| BlockKey(*k)).collect();
                 let got = store.unpin(LayoutId(layout), &k).unwrap();
-                let want = keys
-                    .iter()
-                    .filter(|k| model.pins.remove(&id(layout, **k)).is_some())
-                    .count();
+                let mut want = 0;
+                for k in &keys {
+                    let block = id(layout, *k);
+                    if let Some((count, _)) = model.pins.get_mut(&block) {
+                        want += 1;
+                        *count -= 1;
+                        if *count == 0 {
+                            model.pins.remove(&block);
+                        }
+                    }
+                }
                 prop_assert_eq!(got as usize, want);
             }
             Op::Tick { ms } => {
                 model.now += ms;
                 store.expire_pins(model.now);
                 let now = model.now;
-                model.pins.retain(|_, until| *until > now);
+                model.pins.retain(|_, (_, until)| *until > now);
             }
             Op::Clear => {
                 store.clear(&mut fx);
@@ -796,4 +814,43 @@ fn without_host_memory_a_chain_goes_to_each_lower_tier_as_one_event() {
         }
     );
     assert!(fx.is_empty());
+}
+
+#[test]
+fn pins_are_counted_per_block_and_go_with_the_block() {
+    let mut store = BlockStore::new(StoreConfig {
+        host_bytes: 16,
+        disk_bytes: 0,
+        remote_bytes: 64,
+        max_pins: 8,
+        disk_min_uses: 0,
+        disk_write_through: false,
+    });
+    let l = store.register(layout(0, 8)).unwrap();
+    let mut fx = Vec::new();
+    let blocks: Vec<_> = (1..=2).map(|k| (BlockKey(k), data(k, 8))).collect();
+    store.offload(l, None, &blocks, &mut fx).unwrap();
+    // Two requests pin block 1; the first one's unpin leaves the second's.
+    assert_eq!(store.pin(l, &[BlockKey(1)], 100), Ok(1));
+    assert_eq!(store.pin(l, &[BlockKey(1)], 50), Ok(1));
+    assert_eq!(store.unpin(l, &[BlockKey(1)]), Ok(1));
+    assert_eq!(store.pinned(), 1);
+    // Block 1 stays in host memory while block 3 comes in (block 2 is evicted).
+    store
+        .offload(l, None, &[(BlockKey(3), data(3, 8))], &mut fx)
+        .unwrap();
+    assert_eq!(
+        store.lookup(l, &[BlockKey(1), BlockKey(2)]),
+        Ok(Lookup { host: 1, any: 2 })
+    );
+    // The pin keeps the later deadline.
+    store.expire_pins(99);
+    assert_eq!(store.pinned(), 1);
+    store.expire_pins(100);
+    assert_eq!(store.pinned(), 0);
+    assert_eq!(store.counters().pins_expired, 1);
+    // A pin on a block that leaves every tier goes with it.
+    assert_eq!(store.pin(l, &[BlockKey(2)], 1000), Ok(1));
+    store.lost(id(0, 2), Tier::Remote, &mut fx);
+    assert_eq!(store.pinned(), 0);
 }
