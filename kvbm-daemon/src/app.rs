@@ -71,7 +71,7 @@ impl cli_support::ExitStatus for AppError {
     fn exit_code(&self) -> u8 {
         match self {
             AppError::Start(_)
-            | AppError::Remote(RemoteError::Url(_))
+            | AppError::Remote(RemoteError::Url(_) | RemoteError::Tls(_))
             | AppError::Disk(DiskError::Locked { .. }) => cli_support::EXIT_CONFIG,
             _ => 1,
         }
@@ -179,11 +179,16 @@ async fn serve(args: Args) -> Result<(), AppError> {
     let redis = match &args.remote_url {
         None => None,
         Some(url) => {
-            let config = RedisConfig::from_url(
+            let mut config = RedisConfig::from_url(
                 url,
                 Duration::from_millis(args.remote_timeout_ms),
                 usize::try_from(args.max_segment_bytes.min(1 << 30)).unwrap_or(1 << 30),
             )?;
+            if let Some(tls) = &mut config.tls {
+                tls.ca_file.clone_from(&args.remote_ca_file);
+            }
+            // A CA bundle that cannot be read is a configuration error, found now.
+            config.tls_connector()?;
             let redis = Arc::new(Redis::new(config));
             match redis.ping().await {
                 Ok(()) => tracing::info!(remote = %redact(url), "remote store reachable"),

@@ -55,10 +55,15 @@ pub struct Args {
     /// counted.
     #[arg(long, default_value_t = 1 << 30)]
     pub disk_queue_bytes: u64,
-    /// Remote tier (G4): `redis://[[user]:password@]host[:port][/db]`; disabled when absent.
-    /// (`rediss://` and `s3://` are not in this build.)
+    /// Remote tier (G4): `redis://[[user]:password@]host[:port][/db]`, or `rediss://…` for
+    /// TLS (the server's certificate is verified for the URL's host); disabled when absent.
+    /// (`s3://` is not in this build.)
     #[arg(long, env = "KVGATE_KVBM_REMOTE_URL", hide_env_values = true)]
     pub remote_url: Option<String>,
+    /// PEM bundle of the CAs that sign Redis's certificate, for `rediss://` (default: the
+    /// system's roots).
+    #[arg(long, env = "KVGATE_KVBM_REMOTE_CA_FILE")]
+    pub remote_ca_file: Option<PathBuf>,
     /// Bytes this node may keep in the remote store (its least recently used blocks are
     /// deleted beyond it).
     #[arg(long, default_value_t = 32 << 30)]
@@ -119,11 +124,20 @@ impl Args {
     pub fn validate(&self) -> Result<(), String> {
         if let Some(url) = &self.remote_url
             && !url.starts_with("redis://")
+            && !url.starts_with("rediss://")
         {
             return Err(format!(
-                "--remote-url must be redis://… (rediss:// and s3:// are not in this build), got {}",
+                "--remote-url must be redis://… or rediss://… (s3:// is not in this build), got {}",
                 crate::remote::redis::redact(url)
             ));
+        }
+        if self.remote_ca_file.is_some()
+            && !self
+                .remote_url
+                .as_deref()
+                .is_some_and(|u| u.starts_with("rediss://"))
+        {
+            return Err("--remote-ca-file needs a rediss:// --remote-url".into());
         }
         let disk = self.disk_dir.is_some() && self.disk_bytes > 0;
         let remote = self.remote_url.is_some() && self.remote_bytes > 0;
@@ -212,9 +226,23 @@ mod tests {
             let e = parse(&flags).validate().unwrap_err();
             assert!(e.contains(needle), "{flags:?}: {e}");
         }
-        let e = parse(&["--remote-url", "rediss://u:pw@h"])
+        let e = parse(&["--remote-url", "http://u:pw@h"])
             .validate()
             .unwrap_err();
         assert!(!e.contains("pw"), "{e}");
+        assert_eq!(
+            parse(&[
+                "--remote-url",
+                "rediss://u:pw@h",
+                "--remote-ca-file",
+                "/ca.pem"
+            ])
+            .validate(),
+            Ok(())
+        );
+        let e = parse(&["--remote-url", "redis://h", "--remote-ca-file", "/ca.pem"])
+            .validate()
+            .unwrap_err();
+        assert!(e.contains("rediss://"), "{e}");
     }
 }

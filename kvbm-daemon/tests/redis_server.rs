@@ -96,3 +96,65 @@ async fn a_restarted_server_costs_one_command() {
     // A fresh connection; the data is gone (no persistence), which the store handles as lost.
     assert_eq!(r.get(b"k").await.unwrap(), None);
 }
+
+/// A CA, and a certificate for `localhost` it signed: (CA PEM, server cert PEM, server key PEM).
+fn tls_material() -> (String, String, String) {
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
+    let server_key = rcgen::KeyPair::generate().unwrap();
+    let server = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&server_key, &issuer)
+        .unwrap();
+    (ca.pem(), server.pem(), server_key.serialize_pem())
+}
+
+#[tokio::test]
+async fn rediss_speaks_tls_and_verifies_the_server() {
+    let dir = std::env::temp_dir().join(format!("kvgate-rediss-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (ca, cert, key) = tls_material();
+    let (ca_file, cert_file, key_file) = (
+        dir.join("ca.pem"),
+        dir.join("cert.pem"),
+        dir.join("key.pem"),
+    );
+    std::fs::write(&ca_file, ca).unwrap();
+    std::fs::write(&cert_file, cert).unwrap();
+    std::fs::write(&key_file, key).unwrap();
+    let port = free_port();
+    let _server = support::redis_tls_server(port, &cert_file, &key_file);
+    let tls_client = |url: &str, ca: Option<&std::path::Path>| {
+        let mut c = RedisConfig::from_url(url, Duration::from_secs(2), 1 << 20).unwrap();
+        if let Some(tls) = &mut c.tls {
+            tls.ca_file = ca.map(std::path::Path::to_path_buf);
+        }
+        Redis::new(c)
+    };
+    // Trusting the CA, by the certificate's name: a working remote tier.
+    let r = tls_client(&format!("rediss://localhost:{port}/2"), Some(&ca_file));
+    r.ping().await.unwrap();
+    r.put(b"kvgate:kvbm:t:1", b"block").await.unwrap();
+    assert_eq!(
+        r.get(b"kvgate:kvbm:t:1").await.unwrap().as_deref(),
+        Some(&b"block"[..])
+    );
+    // A name the certificate does not carry is refused.
+    let wrong_name = tls_client(&format!("rediss://127.0.0.1:{port}"), Some(&ca_file));
+    let e = wrong_name.ping().await.unwrap_err();
+    assert_eq!(e.metric_label(), "tls", "{e}");
+    // So is a server signed by a CA we do not trust.
+    let (other_ca, _, _) = tls_material();
+    let other = dir.join("other.pem");
+    std::fs::write(&other, other_ca).unwrap();
+    let untrusted = tls_client(&format!("rediss://localhost:{port}"), Some(&other));
+    let e = untrusted.ping().await.unwrap_err();
+    assert_eq!(e.metric_label(), "tls", "{e}");
+    // And plain TCP to the TLS port gets nowhere.
+    let plain = client(&format!("redis://localhost:{port}"));
+    assert!(plain.ping().await.is_err());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,17 +1,36 @@
 //! The remote tier's Redis client: one connection, one command at a time, every command under
 //! a deadline. A broken connection is dropped and the next command opens a new one, so a
 //! Redis restart costs the commands that were in flight, never the daemon.
+//!
+//! `rediss://` URLs speak TLS (rustls on ring; TLS 1.2 and 1.3), verifying the server's
+//! certificate against a CA bundle ([`TlsSettings::ca_file`]) or the system's roots, for the
+//! URL's host name.
 
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use rustls_pki_types::pem::PemObject as _;
+use rustls_pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream;
 
 use super::resp::{self, Parsed, Reply, RespError};
 
-/// Where and how to reach Redis, parsed from `redis://[[user]:password@]host[:port][/db]`.
+/// TLS to Redis (`rediss://`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsSettings {
+    /// The name the server's certificate must carry (the URL's host).
+    pub server_name: String,
+    /// PEM bundle of the CAs to trust; the system's roots when absent.
+    pub ca_file: Option<PathBuf>,
+}
+
+/// Where and how to reach Redis, parsed from `redis[s]://[[user]:password@]host[:port][/db]`.
 #[derive(Clone, PartialEq, Eq)]
 pub struct RedisConfig {
     /// Host name or IP.
@@ -28,6 +47,8 @@ pub struct RedisConfig {
     pub timeout: Duration,
     /// The largest value accepted in a reply.
     pub max_value_bytes: usize,
+    /// TLS, for `rediss://`.
+    pub tls: Option<TlsSettings>,
 }
 
 impl std::fmt::Debug for RedisConfig {
@@ -40,6 +61,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
             .field("timeout", &self.timeout)
             .field("max_value_bytes", &self.max_value_bytes)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -75,6 +97,9 @@ pub enum RemoteError {
         /// The reply.
         reply: Reply,
     },
+    /// TLS could not be set up (the CA bundle) or the handshake failed.
+    #[error("Redis TLS: {0}")]
+    Tls(String),
 }
 
 impl RemoteError {
@@ -87,25 +112,28 @@ impl RemoteError {
             Self::Protocol(_) => "protocol",
             Self::Refused { .. } => "refused",
             Self::Unexpected { .. } => "unexpected",
+            Self::Tls(_) => "tls",
         }
     }
 }
 
 impl RedisConfig {
-    /// Parses a `redis://` URL. `rediss://` (TLS) is refused: this build speaks plain TCP,
-    /// which is Redis's default; put Redis on the node's loopback or a private network.
+    /// Parses a `redis://` or `rediss://` (TLS, trusting the system's roots until
+    /// [`TlsSettings::ca_file`] is set) URL.
     pub fn from_url(
         url: &str,
         timeout: Duration,
         max_value_bytes: usize,
     ) -> Result<Self, RemoteError> {
         let bad = |why: &str| RemoteError::Url(format!("{why}: {}", redact(url)));
-        if url.starts_with("rediss://") {
-            return Err(bad("TLS (rediss://) is not supported by this build"));
-        }
-        let rest = url
-            .strip_prefix("redis://")
-            .ok_or_else(|| bad("must start with redis://"))?;
+        let (rest, tls) = match url.strip_prefix("rediss://") {
+            Some(rest) => (rest, true),
+            None => (
+                url.strip_prefix("redis://")
+                    .ok_or_else(|| bad("must start with redis:// or rediss://"))?,
+                false,
+            ),
+        };
         let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
         let (userinfo, hostport) = match authority.rsplit_once('@') {
             Some((u, h)) => (Some(u), h),
@@ -139,6 +167,10 @@ impl RedisConfig {
             path.parse::<u32>()
                 .map_err(|_| bad("the path must be a database number"))?
         };
+        let tls = tls.then(|| TlsSettings {
+            server_name: host.to_owned(),
+            ca_file: None,
+        });
         Ok(Self {
             host: host.to_owned(),
             port,
@@ -147,7 +179,56 @@ impl RedisConfig {
             password,
             timeout,
             max_value_bytes,
+            tls,
         })
+    }
+
+    /// The TLS connector for `rediss://` (none for `redis://`): loads the CA bundle or the
+    /// system's roots. Called at every connect, and once at start to fail early.
+    pub fn tls_connector(
+        &self,
+    ) -> Result<Option<(TlsConnector, ServerName<'static>)>, RemoteError> {
+        let Some(tls) = &self.tls else {
+            return Ok(None);
+        };
+        let mut roots = rustls::RootCertStore::empty();
+        match &tls.ca_file {
+            Some(path) => {
+                let certs = CertificateDer::pem_file_iter(path)
+                    .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+                    .map_err(|e| RemoteError::Tls(format!("reading {}: {e}", path.display())))?;
+                if certs.is_empty() {
+                    return Err(RemoteError::Tls(format!(
+                        "{} holds no certificate",
+                        path.display()
+                    )));
+                }
+                for cert in certs {
+                    roots
+                        .add(cert)
+                        .map_err(|e| RemoteError::Tls(format!("{}: {e}", path.display())))?;
+                }
+            }
+            None => {
+                let native = rustls_native_certs::load_native_certs();
+                roots.add_parsable_certificates(native.certs);
+                if roots.is_empty() {
+                    return Err(RemoteError::Tls(
+                        "no system CA certificates found; give --remote-ca-file".into(),
+                    ));
+                }
+            }
+        }
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| RemoteError::Tls(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let name = ServerName::try_from(tls.server_name.clone())
+            .map_err(|e| RemoteError::Tls(format!("server name {}: {e}", tls.server_name)))?;
+        Ok(Some((TlsConnector::from(Arc::new(config)), name)))
     }
 }
 
@@ -161,9 +242,35 @@ pub fn redact(url: &str) -> String {
     }
 }
 
+/// A connection's byte stream: plain TCP, or TLS over it.
+#[derive(Debug)]
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl Stream {
+    async fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        match self {
+            Self::Plain(s) => s.write_all(bytes).await,
+            Self::Tls(s) => {
+                s.write_all(bytes).await?;
+                s.flush().await
+            }
+        }
+    }
+
+    async fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Plain(s) => s.read(buf).await,
+            Self::Tls(s) => s.read(buf).await,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Conn {
-    stream: TcpStream,
+    stream: Stream,
     buf: Vec<u8>,
 }
 
@@ -266,8 +373,17 @@ impl Redis {
     }
 
     async fn connect(&self) -> Result<Conn, RemoteError> {
-        let stream = TcpStream::connect((self.config.host.as_str(), self.config.port)).await?;
-        stream.set_nodelay(true)?;
+        let tcp = TcpStream::connect((self.config.host.as_str(), self.config.port)).await?;
+        tcp.set_nodelay(true)?;
+        let stream = match self.config.tls_connector()? {
+            None => Stream::Plain(tcp),
+            Some((connector, name)) => Stream::Tls(Box::new(
+                connector
+                    .connect(name, tcp)
+                    .await
+                    .map_err(|e| RemoteError::Tls(format!("handshake: {e}")))?,
+            )),
+        };
         let mut conn = Conn {
             stream,
             buf: Vec::new(),
@@ -366,12 +482,40 @@ mod tests {
             ("::1", 7000, None, Some("secret"))
         );
         assert!(!format!("{c:?}").contains("secret"));
+        assert_eq!(c.tls, None);
+        let c = RedisConfig::from_url("rediss://:pw@cache.example:6380/1", T, 10).unwrap();
+        assert_eq!(
+            c.tls,
+            Some(TlsSettings {
+                server_name: "cache.example".into(),
+                ca_file: None
+            })
+        );
+        assert_eq!((c.port, c.db), (6380, 1));
+    }
+
+    #[test]
+    fn a_bad_ca_bundle_is_a_tls_error_at_setup() {
+        let dir = std::env::temp_dir().join(format!("kvgate-redis-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let empty = dir.join("empty.pem");
+        std::fs::write(&empty, b"not a certificate\n").unwrap();
+        for ca in [empty, dir.join("missing.pem")] {
+            let mut c = RedisConfig::from_url("rediss://h", T, 10).unwrap();
+            if let Some(tls) = &mut c.tls {
+                tls.ca_file = Some(ca.clone());
+            }
+            let e = c.tls_connector().err().unwrap();
+            assert!(matches!(e, RemoteError::Tls(_)), "{ca:?}: {e}");
+            assert_eq!(e.metric_label(), "tls");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn bad_urls_are_refused_without_leaking_the_password() {
         for url in [
-            "rediss://h",
+            "rediss://",
             "http://h",
             "redis://",
             "redis://h:port",

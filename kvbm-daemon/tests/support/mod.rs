@@ -76,6 +76,39 @@ pub fn redis_server(port: u16, password: Option<&str>) -> Proc {
     proc
 }
 
+/// A `redis-server` speaking only TLS on `port`, with the PEM files `cert` and `key` (clients
+/// are not asked for certificates).
+pub fn redis_tls_server(port: u16, cert: &std::path::Path, key: &std::path::Path) -> Proc {
+    let bin =
+        std::env::var("KVGATE_REDIS_SERVER").unwrap_or_else(|_| "/usr/bin/redis-server".into());
+    let args: Vec<String> = [
+        "--port",
+        "0",
+        "--tls-port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--tls-auth-clients",
+        "no",
+    ]
+    .into_iter()
+    .map(String::from)
+    .chain([
+        "--tls-cert-file".into(),
+        cert.display().to_string(),
+        "--tls-key-file".into(),
+        key.display().to_string(),
+    ])
+    .collect();
+    let proc = Proc::spawn(&bin, &args);
+    wait_port(port, "redis-server with TLS (Debian's is built with it)");
+    proc
+}
+
 /// A `nats-server` on `port`.
 pub fn nats_server(port: u16) -> Proc {
     let bin =
