@@ -187,9 +187,10 @@ async fn serve(args: Args) -> Result<(), AppError> {
             if let Some(tls) = &mut config.tls {
                 tls.ca_file.clone_from(&args.remote_ca_file);
             }
-            // A CA bundle that cannot be read is a configuration error, found now.
-            config.tls_connector()?;
             let redis = Arc::new(Redis::new(config));
+            // A CA bundle that cannot be read is a configuration error, found now; the
+            // connector built here serves every later connect.
+            redis.prepare_tls()?;
             match redis.ping().await {
                 Ok(()) => tracing::info!(remote = %redact(url), "remote store reachable"),
                 Err(e) => tracing::warn!(

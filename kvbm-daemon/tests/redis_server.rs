@@ -114,7 +114,15 @@ fn tls_material() -> (String, String, String) {
 
 #[tokio::test]
 async fn rediss_speaks_tls_and_verifies_the_server() {
-    let dir = std::env::temp_dir().join(format!("kvgate-rediss-{}", std::process::id()));
+    /// Removes the test's files however it ends.
+    struct Dir(std::path::PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let guard = Dir(std::env::temp_dir().join(format!("kvgate-rediss-{}", std::process::id())));
+    let dir = guard.0.clone();
     std::fs::create_dir_all(&dir).unwrap();
     let (ca, cert, key) = tls_material();
     let (ca_file, cert_file, key_file) = (
@@ -137,15 +145,19 @@ async fn rediss_speaks_tls_and_verifies_the_server() {
     // Trusting the CA, by the certificate's name: a working remote tier.
     let r = tls_client(&format!("rediss://localhost:{port}/2"), Some(&ca_file));
     r.ping().await.unwrap();
-    r.put(b"kvgate:kvbm:t:1", b"block").await.unwrap();
+    r.prepare_tls().unwrap();
+    // A block of many TLS records each way.
+    let block: Vec<u8> = (0..(1 << 20) - 64).map(|i| (i % 253) as u8).collect();
+    r.put(b"kvgate:kvbm:t:1", &block).await.unwrap();
     assert_eq!(
         r.get(b"kvgate:kvbm:t:1").await.unwrap().as_deref(),
-        Some(&b"block"[..])
+        Some(&block[..])
     );
     // A name the certificate does not carry is refused.
     let wrong_name = tls_client(&format!("rediss://127.0.0.1:{port}"), Some(&ca_file));
     let e = wrong_name.ping().await.unwrap_err();
     assert_eq!(e.metric_label(), "tls", "{e}");
+    assert!(e.to_string().contains("handshake"), "{e}");
     // So is a server signed by a CA we do not trust.
     let (other_ca, _, _) = tls_material();
     let other = dir.join("other.pem");
@@ -153,8 +165,8 @@ async fn rediss_speaks_tls_and_verifies_the_server() {
     let untrusted = tls_client(&format!("rediss://localhost:{port}"), Some(&other));
     let e = untrusted.ping().await.unwrap_err();
     assert_eq!(e.metric_label(), "tls", "{e}");
+    assert!(e.to_string().contains("handshake"), "{e}");
     // And plain TCP to the TLS port gets nowhere.
     let plain = client(&format!("redis://localhost:{port}"));
     assert!(plain.ping().await.is_err());
-    let _ = std::fs::remove_dir_all(&dir);
 }

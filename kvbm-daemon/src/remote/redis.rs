@@ -184,7 +184,7 @@ impl RedisConfig {
     }
 
     /// The TLS connector for `rediss://` (none for `redis://`): loads the CA bundle or the
-    /// system's roots. Called at every connect, and once at start to fail early.
+    /// system's roots. [`Redis`] builds it once and keeps it.
     pub fn tls_connector(
         &self,
     ) -> Result<Option<(TlsConnector, ServerName<'static>)>, RemoteError> {
@@ -211,6 +211,9 @@ impl RedisConfig {
             }
             None => {
                 let native = rustls_native_certs::load_native_certs();
+                for e in &native.errors {
+                    tracing::warn!(error = %e, "loading the system's CA certificates");
+                }
                 roots.add_parsable_certificates(native.certs);
                 if roots.is_empty() {
                     return Err(RemoteError::Tls(
@@ -275,10 +278,20 @@ struct Conn {
 }
 
 /// A Redis client for the remote tier.
-#[derive(Debug)]
 pub struct Redis {
     config: RedisConfig,
     conn: Mutex<Option<Conn>>,
+    /// The TLS connector, built once (by [`Redis::prepare_tls`] or the first connect).
+    tls: std::sync::OnceLock<(TlsConnector, ServerName<'static>)>,
+}
+
+impl std::fmt::Debug for Redis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Redis")
+            .field("config", &self.config)
+            .field("tls_ready", &self.tls.get().is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Redis {
@@ -287,7 +300,24 @@ impl Redis {
         Self {
             config,
             conn: Mutex::new(None),
+            tls: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Builds the TLS connector now (for `rediss://`), so a CA bundle that cannot be read
+    /// fails at start rather than at the first command; later connects reuse it.
+    pub fn prepare_tls(&self) -> Result<(), RemoteError> {
+        self.tls_connector().map(|_| ())
+    }
+
+    fn tls_connector(&self) -> Result<Option<(TlsConnector, ServerName<'static>)>, RemoteError> {
+        if let Some(tls) = self.tls.get() {
+            return Ok(Some(tls.clone()));
+        }
+        let Some(built) = self.config.tls_connector()? else {
+            return Ok(None);
+        };
+        Ok(Some(self.tls.get_or_init(|| built).clone()))
     }
 
     /// Where it connects (for logs).
@@ -375,7 +405,7 @@ impl Redis {
     async fn connect(&self) -> Result<Conn, RemoteError> {
         let tcp = TcpStream::connect((self.config.host.as_str(), self.config.port)).await?;
         tcp.set_nodelay(true)?;
-        let stream = match self.config.tls_connector()? {
+        let stream = match self.tls_connector()? {
             None => Stream::Plain(tcp),
             Some((connector, name)) => Stream::Tls(Box::new(
                 connector
@@ -492,6 +522,19 @@ mod tests {
             })
         );
         assert_eq!((c.port, c.db), (6380, 1));
+        // An IP literal is verified against the certificate's IP entries.
+        let dir = std::env::temp_dir().join(format!("kvgate-redis-ip-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = dir.join("ca.pem");
+        let cert = rcgen::generate_simple_self_signed(vec!["::1".to_owned()]).unwrap();
+        std::fs::write(&ca, cert.cert.pem()).unwrap();
+        let mut c = RedisConfig::from_url("rediss://[::1]:6380", T, 10).unwrap();
+        if let Some(tls) = &mut c.tls {
+            tls.ca_file = Some(ca);
+        }
+        let (_, name) = c.tls_connector().unwrap().unwrap();
+        assert!(matches!(name, ServerName::IpAddress(_)), "{name:?}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
