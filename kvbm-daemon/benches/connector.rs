@@ -7,6 +7,8 @@
 //!   the socket (`kvgate-kvbm` as a separate process);
 //! - **remote**: the same with a host tier of 4 blocks, so blocks are demoted to a real
 //!   `redis-server` and onboarded back from it;
+//! - **remote TLS**: the same through `rediss://` (Redis's TLS port, a CA made for the run),
+//!   against plain Redis in the same run;
 //! - **disk**: the same with a disk tier instead of Redis (in the system temp directory),
 //!   against the disk module itself in one process (`DiskDir::write`/`read` of the same
 //!   blocks, the same `O_DIRECT` probe): the time until the daemon's disk queue has drained
@@ -50,9 +52,32 @@ struct Daemon {
     metrics_port: u16,
 }
 
-/// `kvgate-kvbm` with `host_bytes` of host memory and, with `redis`, a remote tier, with
-/// `disk`, a disk tier.
-fn daemon(dir: &Path, host_bytes: u64, redis: Option<u16>, disk: Option<&Path>) -> Daemon {
+/// The daemon arguments of a remote tier at `url` (with a CA bundle for `rediss://`).
+fn remote_args(url: &str, ca: Option<&Path>) -> Vec<String> {
+    let mut args = vec![
+        "--remote-url".to_owned(),
+        url.to_owned(),
+        "--remote-bytes".into(),
+        (64u64 << 30).to_string(),
+    ];
+    if let Some(ca) = ca {
+        args.extend(["--remote-ca-file".into(), ca.display().to_string()]);
+    }
+    args
+}
+
+/// The daemon arguments of a disk tier in `dir`.
+fn disk_args(dir: &Path) -> Vec<String> {
+    vec![
+        "--disk-dir".to_owned(),
+        dir.display().to_string(),
+        "--disk-bytes".into(),
+        (64u64 << 30).to_string(),
+    ]
+}
+
+/// `kvgate-kvbm` with `host_bytes` of host memory, and the tiers `extra` names.
+fn daemon(dir: &Path, host_bytes: u64, extra: &[String]) -> Daemon {
     let socket = dir.join(format!("kvbm-{host_bytes}-{}.sock", free_port()));
     let metrics_port = free_port();
     let mut args = vec![
@@ -74,22 +99,7 @@ fn daemon(dir: &Path, host_bytes: u64, redis: Option<u16>, disk: Option<&Path>) 
         "--host-bytes".into(),
         host_bytes.to_string(),
     ];
-    if let Some(port) = redis {
-        args.extend([
-            "--remote-url".into(),
-            format!("redis://127.0.0.1:{port}"),
-            "--remote-bytes".into(),
-            (64u64 << 30).to_string(),
-        ]);
-    }
-    if let Some(disk) = disk {
-        args.extend([
-            "--disk-dir".into(),
-            disk.display().to_string(),
-            "--disk-bytes".into(),
-            (64u64 << 30).to_string(),
-        ]);
-    }
+    args.extend_from_slice(extra);
     let proc = Proc::spawn(env!("CARGO_BIN_EXE_kvgate-kvbm"), &args);
     let s = socket.clone();
     wait_for("kvgate-kvbm", || s.exists());
@@ -112,6 +122,29 @@ fn scrape(port: u16, name: &str) -> f64 {
         .filter(|l| l.split(['{', ' ']).next() == Some(name))
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
         .sum()
+}
+
+/// A CA and a certificate for `localhost` it signed, as PEM files in `dir`: (CA, cert, key).
+fn tls_material(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&key, &issuer)
+        .unwrap();
+    let paths = (
+        dir.join("ca.pem"),
+        dir.join("cert.pem"),
+        dir.join("key.pem"),
+    );
+    std::fs::write(&paths.0, ca.pem()).unwrap();
+    std::fs::write(&paths.1, cert.pem()).unwrap();
+    std::fs::write(&paths.2, key.serialize_pem()).unwrap();
+    paths
 }
 
 /// GB/s of `bytes` moved in `d`.
@@ -281,7 +314,7 @@ fn main() {
         "baseline  pread into kept buffers {read:6.2} GB/s   pwrite from them {write:6.2} GB/s (one process)"
     );
 
-    let host = daemon(&dir, (blocks + PER_REQUEST) * block, None, None);
+    let host = daemon(&dir, (blocks + PER_REQUEST) * block, &[]);
     let trip = runtime.block_on(round_trip(&host, block, blocks));
     assert_eq!(trip.from.host, trip.from.blocks);
     println!(
@@ -295,7 +328,8 @@ fn main() {
 
     let redis_port = free_port();
     let _redis = redis_server(redis_port, None);
-    let remote = daemon(&dir, 4 * block, Some(redis_port), None);
+    let plain_url = format!("redis://127.0.0.1:{redis_port}");
+    let remote = daemon(&dir, 4 * block, &remote_args(&plain_url, None));
     let trip = runtime.block_on(round_trip(&remote, block, blocks));
     println!(
         "remote    offload {:6.2} GB/s ({:.2}× pread)      onboard {:6.2} GB/s ({:.2}× pwrite), {} of {blocks} blocks from Redis",
@@ -303,6 +337,24 @@ fn main() {
         trip.offload / read,
         trip.onboard,
         trip.onboard / write,
+        trip.from.remote
+    );
+    drop(remote);
+    let plain = trip;
+
+    // The same through TLS (rediss://, a CA made here, Redis's TLS port).
+    let (ca, cert, key) = tls_material(&dir);
+    let tls_port = free_port();
+    let _redis_tls = support::redis_tls_server(tls_port, &cert, &key);
+    let tls_url = format!("rediss://localhost:{tls_port}");
+    let remote = daemon(&dir, 4 * block, &remote_args(&tls_url, Some(&ca)));
+    let trip = runtime.block_on(round_trip(&remote, block, blocks));
+    println!(
+        "remote TLS offload {:6.2} GB/s ({:.2}× plain)      onboard {:6.2} GB/s ({:.2}× plain), {} of {blocks} blocks from Redis",
+        trip.offload,
+        trip.offload / plain.offload,
+        trip.onboard,
+        trip.onboard / plain.onboard,
         trip.from.remote
     );
     drop(remote);
@@ -314,7 +366,7 @@ fn main() {
         "disk baseline ({}) write {disk_write:6.2} GB/s   read {disk_read:6.2} GB/s, 16 threads {disk_par:6.2} GB/s (the disk module in one process)",
         if direct { "O_DIRECT" } else { "page cache" }
     );
-    let disk = daemon(&dir, 4 * block, None, Some(&dir.join("disk")));
+    let disk = daemon(&dir, 4 * block, &disk_args(&dir.join("disk")));
     let trip = runtime.block_on(round_trip(&disk, block, blocks));
     println!(
         "disk      offload {:6.2} GB/s, drained {:6.2} GB/s ({:.2}× write)   onboard {:6.2} GB/s ({:.2}× read, {:.2}× 16 threads), {} of {blocks} blocks from disk",
