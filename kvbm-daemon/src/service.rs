@@ -833,17 +833,15 @@ mod tests {
         }
     }
 
-    /// A service of 2 host blocks whose Redis is never written (no writer task runs), so
-    /// remote puts stay queued; `queue_bytes` bounds them.
-    fn service(queue_bytes: u64) -> (Parts, LayoutId) {
-        let redis = Redis::new(
-            RedisConfig::from_url("redis://127.0.0.1:1", Duration::from_millis(50), 1024).unwrap(),
-        );
+    /// A service of 2 host blocks and `disk_blocks` disk blocks over `backends` (with a
+    /// remote budget of 64 blocks when there is Redis), its layout registered.
+    fn start(disk_blocks: u64, backends: Backends, queue_bytes: u64) -> (Parts, LayoutId) {
+        let remote_bytes = if backends.redis.is_some() { 64 * B } else { 0 };
         let parts = Service::start(
             BlockStore::new(StoreConfig {
                 host_bytes: 2 * B,
-                disk_bytes: 0,
-                remote_bytes: 64 * B,
+                disk_bytes: disk_blocks * B,
+                remote_bytes,
                 max_pins: 1024,
                 disk_min_uses: 0,
                 disk_write_through: false,
@@ -859,10 +857,7 @@ mod tests {
                 1024,
             ),
             Duration::from_secs(30),
-            Backends {
-                disk: None,
-                redis: Some(Arc::new(redis)),
-            },
+            backends,
             [QueueBounds {
                 ops: 16,
                 bytes: queue_bytes,
@@ -871,6 +866,19 @@ mod tests {
         );
         let l = parts.service.register(layout()).unwrap();
         (parts, l)
+    }
+
+    /// A service of 2 host blocks whose Redis is never written (no writer task runs), so
+    /// remote puts stay queued; `queue_bytes` bounds them.
+    fn service(queue_bytes: u64) -> (Parts, LayoutId) {
+        let redis = Redis::new(
+            RedisConfig::from_url("redis://127.0.0.1:1", Duration::from_millis(50), 1024).unwrap(),
+        );
+        let backends = Backends {
+            disk: None,
+            redis: Some(Arc::new(redis)),
+        };
+        start(0, backends, queue_bytes)
     }
 
     fn blocks(keys: &[u64]) -> Vec<(BlockKey, Bytes)> {
@@ -901,37 +909,11 @@ mod tests {
     /// writer on a thread of its own (started by the caller through `run_writer`).
     fn disk_service(dir: &std::path::Path) -> (Parts, LayoutId, Arc<DiskDir>) {
         let disk = Arc::new(DiskDir::open(dir, crate::disk::DirectIo::Off).unwrap());
-        let parts = Service::start(
-            BlockStore::new(StoreConfig {
-                host_bytes: 2 * B,
-                disk_bytes: 4 * B,
-                remote_bytes: 0,
-                max_pins: 1024,
-                disk_min_uses: 0,
-                disk_write_through: false,
-            }),
-            Outbox::new(
-                Identity {
-                    namespace: "ns".into(),
-                    node: "n".into(),
-                    model: "m".into(),
-                    block_size: 4,
-                },
-                1,
-                1024,
-            ),
-            Duration::from_secs(30),
-            Backends {
-                disk: Some(Arc::clone(&disk)),
-                redis: None,
-            },
-            [QueueBounds {
-                ops: 16,
-                bytes: 1 << 20,
-            }; 2],
-            Arc::new(Metrics::default()),
-        );
-        let l = parts.service.register(layout()).unwrap();
+        let backends = Backends {
+            disk: Some(Arc::clone(&disk)),
+            redis: None,
+        };
+        let (parts, l) = start(4, backends, 1 << 20);
         (parts, l, disk)
     }
 

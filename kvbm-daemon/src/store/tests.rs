@@ -366,6 +366,19 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// A store with these budgets and pin limit, the disk's admission filter off and no
+/// write-through.
+fn plain_store(host_bytes: u64, disk_bytes: u64, remote_bytes: u64, max_pins: usize) -> BlockStore {
+    BlockStore::new(StoreConfig {
+        host_bytes,
+        disk_bytes,
+        remote_bytes,
+        max_pins,
+        disk_min_uses: 0,
+        disk_write_through: false,
+    })
+}
+
 /// Layout 0 has 8-byte blocks, layout 1 16-byte ones.
 const BYTES: [u64; 2] = [8, 16];
 
@@ -574,14 +587,7 @@ proptest! {
 
 #[test]
 fn an_offload_is_validated_before_anything_changes() {
-    let mut store = BlockStore::new(StoreConfig {
-        host_bytes: 64,
-        disk_bytes: 0,
-        remote_bytes: 0,
-        max_pins: 64,
-        disk_min_uses: 0,
-        disk_write_through: false,
-    });
+    let mut store = plain_store(64, 0, 0, 64);
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
     let blocks = [(BlockKey(1), data(1, 8)), (BlockKey(2), data(2, 7))];
@@ -603,14 +609,7 @@ fn an_offload_is_validated_before_anything_changes() {
 
 #[test]
 fn a_chain_is_one_stored_event_with_its_parent_and_tokens() {
-    let mut store = BlockStore::new(StoreConfig {
-        host_bytes: 64,
-        disk_bytes: 0,
-        remote_bytes: 64,
-        max_pins: 64,
-        disk_min_uses: 0,
-        disk_write_through: false,
-    });
+    let mut store = plain_store(64, 0, 64, 64);
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
     let blocks: Vec<_> = (1..=3).map(|k| (BlockKey(k), data(k, 8))).collect();
@@ -642,14 +641,7 @@ fn a_chain_is_one_stored_event_with_its_parent_and_tokens() {
 
 #[test]
 fn host_eviction_demotes_to_remote_with_the_blocks_parent() {
-    let mut store = BlockStore::new(StoreConfig {
-        host_bytes: 16,
-        disk_bytes: 0,
-        remote_bytes: 64,
-        max_pins: 64,
-        disk_min_uses: 0,
-        disk_write_through: false,
-    });
+    let mut store = plain_store(16, 0, 64, 64);
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
     let blocks: Vec<_> = (1..=3).map(|k| (BlockKey(k), data(k, 8))).collect();
@@ -696,14 +688,7 @@ fn host_eviction_demotes_to_remote_with_the_blocks_parent() {
 
 #[test]
 fn host_evictions_go_to_disk_and_remote_and_onboards_prefer_disk() {
-    let mut store = BlockStore::new(StoreConfig {
-        host_bytes: 8,
-        disk_bytes: 16,
-        remote_bytes: 64,
-        max_pins: 64,
-        disk_min_uses: 0,
-        disk_write_through: false,
-    });
+    let mut store = plain_store(8, 16, 64, 64);
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
     let blocks: Vec<_> = (1..=3).map(|k| (BlockKey(k), data(k, 8))).collect();
@@ -771,14 +756,7 @@ fn host_evictions_go_to_disk_and_remote_and_onboards_prefer_disk() {
 
 #[test]
 fn without_host_memory_a_chain_goes_to_each_lower_tier_as_one_event() {
-    let mut store = BlockStore::new(StoreConfig {
-        host_bytes: 0,
-        disk_bytes: 64,
-        remote_bytes: 64,
-        max_pins: 64,
-        disk_min_uses: 0,
-        disk_write_through: false,
-    });
+    let mut store = plain_store(0, 64, 64, 64);
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
     let blocks: Vec<_> = (1..=2).map(|k| (BlockKey(k), data(k, 8))).collect();
@@ -818,14 +796,7 @@ fn without_host_memory_a_chain_goes_to_each_lower_tier_as_one_event() {
 
 #[test]
 fn pins_are_counted_per_block_and_go_with_the_block() {
-    let mut store = BlockStore::new(StoreConfig {
-        host_bytes: 16,
-        disk_bytes: 0,
-        remote_bytes: 64,
-        max_pins: 8,
-        disk_min_uses: 0,
-        disk_write_through: false,
-    });
+    let mut store = plain_store(16, 0, 64, 8);
     let l = store.register(layout(0, 8)).unwrap();
     let mut fx = Vec::new();
     let blocks: Vec<_> = (1..=2).map(|k| (BlockKey(k), data(k, 8))).collect();
