@@ -700,20 +700,31 @@ async fn pinned_blocks_stay_until_released_or_expired() {
         (4, 0, 0)
     );
     assert_eq!(c.lookup(vec![1]).await.unwrap(), (0, 1));
-    // A host tier full of pinned blocks skips new ones until the pins expire.
+    // A host tier full of pinned blocks sends new ones straight to Redis until the pins
+    // expire.
     assert_eq!(
         c.lookup_and_pin(vec![10, 11, 12, 13], 300).await.unwrap(),
         (4, 4, 4)
     );
-    assert_eq!(c.offload(None, offload(&[20])).await.unwrap(), (0, 0, 1));
+    assert_eq!(c.offload(None, offload(&[20])).await.unwrap(), (1, 0, 0));
+    assert_eq!(
+        c.lookup(vec![20]).await.unwrap(),
+        (0, 1),
+        "20 went to Redis"
+    );
     let text = metrics(s.metrics_port).await;
     assert_eq!(metric(&text, "kvgate_kvbm_pinned_blocks"), 4.0);
     assert_eq!(
         metric(&text, "kvgate_kvbm_offload_skipped_blocks_total"),
-        1.0
+        0.0
     );
     tokio::time::sleep(Duration::from_millis(400)).await;
-    assert_eq!(c.offload(None, offload(&[20])).await.unwrap(), (1, 0, 0));
+    assert_eq!(c.offload(None, offload(&[21])).await.unwrap(), (1, 0, 0));
+    assert_eq!(
+        c.lookup(vec![21]).await.unwrap(),
+        (1, 1),
+        "21 in host memory"
+    );
     let text = metrics(s.metrics_port).await;
     assert_eq!(metric(&text, "kvgate_kvbm_pinned_blocks"), 0.0);
     assert_eq!(metric(&text, "kvgate_kvbm_pins_expired_total"), 4.0);

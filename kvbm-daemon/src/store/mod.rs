@@ -28,8 +28,9 @@
 //! The store has no clock: deadlines are plain numbers, and the edge expires pins
 //! ([`BlockStore::expire_pins`]) with its own clock before each operation. Pins are bounded
 //! in number ([`StoreConfig::max_pins`]). When pinned blocks leave a tier too little room, a
-//! new block is not stored there (an offload counts it `skipped`), and nothing is evicted for
-//! it.
+//! new block is not stored there and nothing is evicted for it: an offload into host memory
+//! full of pinned blocks stores the block straight into the lower tiers, and counts it
+//! `skipped` only when none takes it.
 //!
 //! Every operation validates its whole input before it changes anything.
 
@@ -357,6 +358,16 @@ impl Run {
     }
 }
 
+/// What storing a block straight into the lower tiers did.
+enum Lowered {
+    /// A tier took it.
+    Stored,
+    /// None took it, and one had it.
+    Present,
+    /// None has it: `no_room` when pinned blocks left a tier too little room.
+    Skipped { no_room: bool },
+}
+
 /// The event of one block leaving `tier`.
 fn removed(id: BlockId, tier: Tier) -> Effect {
     Effect::Publish {
@@ -493,7 +504,7 @@ impl BlockStore {
         effects: &mut Vec<Effect>,
     ) -> Offloaded {
         let mut run = Run::new(layout, Tier::Host, parent, tokens);
-        let mut disk_run = Run::new(layout, Tier::Disk, parent, tokens);
+        let mut lower_runs = LOWER_TIERS.map(|tier| Run::new(layout, tier, parent, tokens));
         let mut done = Offloaded::default();
         let mut before = parent;
         for (key, data) in blocks {
@@ -505,14 +516,27 @@ impl BlockStore {
                 // Evictions (and their events) come before this block's Stored, so flush the
                 // run first if room must be made.
                 if self.host.free() < want {
-                    // Evictions demote into the disk: its pending Stored events go first.
+                    // Evictions demote into the lower tiers: their pending Stored events go
+                    // first.
                     run.flush(effects);
-                    disk_run.flush(effects);
+                    for r in &mut lower_runs {
+                        r.flush(effects);
+                    }
                     if !self.make_host_room(want, effects) {
-                        done.skipped += 1;
-                        self.counters.skipped += 1;
+                        // Pinned blocks fill host memory: the block goes where it fits below.
+                        // The lower runs are empty (flushed above); they follow the chain.
                         run.skip(*key, effects);
-                        disk_run.skip(*key, effects);
+                        for r in &mut lower_runs {
+                            r.parent = before;
+                        }
+                        match self.store_lower(id, before, data, want, &mut lower_runs, effects) {
+                            Lowered::Stored => done.stored += 1,
+                            Lowered::Present => done.present += 1,
+                            Lowered::Skipped { .. } => {
+                                done.skipped += 1;
+                                self.counters.skipped += 1;
+                            }
+                        }
                         before = Some(*key);
                         continue;
                     }
@@ -531,12 +555,15 @@ impl BlockStore {
             }
             // Stored (or already) in host memory: with write-through, on disk too.
             if self.disk_write_through {
-                self.write_through(id, before, data, &mut disk_run, effects);
+                let [disk_run, _] = &mut lower_runs;
+                self.write_through(id, before, data, disk_run, effects);
             }
             before = Some(*key);
         }
         run.flush(effects);
-        disk_run.flush(effects);
+        for r in &mut lower_runs {
+            r.flush(effects);
+        }
         done
     }
 
@@ -572,8 +599,8 @@ impl BlockStore {
         run.keys.push(id.key);
     }
 
-    /// Stores straight into the lower tiers a block fits; a block counts as present when
-    /// every one of them had it.
+    /// Stores straight into the lower tiers a block fits: a block counts as stored when one
+    /// of them took it, present when one had it, skipped otherwise.
     fn offload_lower(
         &mut self,
         layout: LayoutId,
@@ -587,43 +614,16 @@ impl BlockStore {
         let mut before = parent;
         for (key, data) in blocks {
             let id = BlockId { layout, key: *key };
-            let (mut stored, mut present, mut no_room) = (false, false, false);
-            let (uses, min) = (self.uses.as_ref(), self.disk_min_uses);
-            for (lower, run) in self.lower.iter_mut().zip(&mut runs) {
-                if !lower.set.fits(want) {
-                    continue;
+            match self.store_lower(id, before, data, want, &mut runs, effects) {
+                Lowered::Stored => done.stored += 1,
+                Lowered::Present => done.present += 1,
+                Lowered::Skipped { no_room } => {
+                    // Pinned blocks left no room, or the disk (the only tier with room) did
+                    // not admit it yet: only the first is counted here, the filter counts
+                    // its own.
+                    done.skipped += 1;
+                    self.counters.skipped += u64::from(no_room);
                 }
-                if lower.set.touch(&id) {
-                    present = true;
-                    run.skip(*key, effects);
-                    continue;
-                }
-                if !Self::admits(uses, min, lower.tier, &id, &mut self.counters.disk_rejected) {
-                    run.skip(*key, effects);
-                    continue;
-                }
-                if lower.set.free() < want {
-                    run.flush(effects);
-                }
-                if !lower.make_room(want, &self.pins, effects) {
-                    no_room = true;
-                    run.skip(*key, effects);
-                    continue;
-                }
-                lower.insert(id, want, before, data, effects);
-                run.keys.push(*key);
-                stored = true;
-            }
-            if stored {
-                done.stored += 1;
-            } else if present {
-                done.present += 1;
-            } else {
-                // Not stored anywhere: pinned blocks left no room, or the disk (the only
-                // tier with room) did not admit it yet. Only the first is counted here; the
-                // filter counts its own.
-                done.skipped += 1;
-                self.counters.skipped += u64::from(no_room);
             }
             before = Some(*key);
         }
@@ -631,6 +631,54 @@ impl BlockStore {
             run.flush(effects);
         }
         done
+    }
+
+    /// Stores one block straight into every lower tier that fits and admits it (touching it
+    /// where present).
+    fn store_lower(
+        &mut self,
+        id: BlockId,
+        before: Option<BlockKey>,
+        data: &Bytes,
+        want: u64,
+        runs: &mut [Run; 2],
+        effects: &mut Vec<Effect>,
+    ) -> Lowered {
+        let key = id.key;
+        let (mut stored, mut present, mut no_room) = (false, false, false);
+        let (uses, min) = (self.uses.as_ref(), self.disk_min_uses);
+        for (lower, run) in self.lower.iter_mut().zip(runs.iter_mut()) {
+            if !lower.set.fits(want) {
+                continue;
+            }
+            if lower.set.touch(&id) {
+                present = true;
+                run.skip(key, effects);
+                continue;
+            }
+            if !Self::admits(uses, min, lower.tier, &id, &mut self.counters.disk_rejected) {
+                run.skip(key, effects);
+                continue;
+            }
+            if lower.set.free() < want {
+                run.flush(effects);
+            }
+            if !lower.make_room(want, &self.pins, effects) {
+                no_room = true;
+                run.skip(key, effects);
+                continue;
+            }
+            lower.insert(id, want, before, data, effects);
+            run.keys.push(key);
+            stored = true;
+        }
+        if stored {
+            Lowered::Stored
+        } else if present {
+            Lowered::Present
+        } else {
+            Lowered::Skipped { no_room }
+        }
     }
 
     /// Evicts unpinned host blocks, least recently used first, until `bytes` fit; each is

@@ -168,16 +168,17 @@ impl Model {
             if bytes <= self.host_cap {
                 if bump(&mut self.host, id) {
                     out.present += 1;
-                } else if self.put_host(id, bytes, parent) {
-                    out.stored += 1;
+                } else if !self.put_host(id, bytes, parent) {
+                    // Pinned blocks fill host memory: the lower tiers take it (below).
                 } else {
-                    out.skipped += 1;
+                    out.stored += 1;
+                }
+                if has(&self.host, id) {
+                    if self.write_through {
+                        self.put_lower(0, id, bytes, parent);
+                    }
                     continue;
                 }
-                if self.write_through {
-                    self.put_lower(0, id, bytes, parent);
-                }
-                continue;
             }
             let puts = [0, 1].map(|i| self.put_lower(i, id, bytes, parent));
             if puts.contains(&Put::Stored) {
