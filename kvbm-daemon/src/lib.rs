@@ -24,6 +24,7 @@ mod args;
 pub mod client;
 pub mod disk;
 pub mod fdpass;
+mod held;
 pub mod metrics;
 pub mod nats;
 pub mod outbox;

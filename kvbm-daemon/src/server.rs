@@ -11,6 +11,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::fdpass;
+use crate::held::HeldPins;
 use crate::protocol::{self, ErrorCode, Request, Response, Slot};
 use crate::segment::Segment;
 use crate::service::{Service, ServiceError};
@@ -87,6 +88,8 @@ struct Session {
     layout: LayoutId,
     block_bytes: u64,
     segment: Segment,
+    /// The pins this connection holds (released when it closes).
+    pins: HeldPins,
 }
 
 async fn connection(
@@ -104,8 +107,35 @@ async fn connection(
                 .fetch_add(1, Ordering::Relaxed);
             ConnError::Handshake(e)
         })?;
-    let mut fd = Some(fd);
     let mut session: Option<Session> = None;
+    let result = requests(&mut stream, Some(fd), &mut session, service, config).await;
+    // However the connection ended, the pins it still holds go with it.
+    if let Some(s) = &mut session {
+        let keys: Vec<BlockKey> = s
+            .pins
+            .drain(Instant::now())
+            .into_iter()
+            .map(BlockKey)
+            .collect();
+        if !keys.is_empty() {
+            match service.unpin(s.layout, &keys) {
+                Ok(n) => tracing::debug!(released = n, "a closed connection's pins released"),
+                Err(e) => tracing::debug!(error = %e, "a closed connection's pins not released"),
+            }
+        }
+    }
+    result
+}
+
+/// Serves one connection's requests until it ends.
+async fn requests(
+    stream: &mut UnixStream,
+    fd: Option<std::os::fd::OwnedFd>,
+    session: &mut Option<Session>,
+    service: &Service,
+    config: ServerConfig,
+) -> Result<(), ConnError> {
+    let mut fd = fd;
     let mut out = Vec::new();
     loop {
         let mut header = [0u8; 4];
@@ -131,7 +161,7 @@ async fn connection(
             Err(e) => (error(ErrorCode::Malformed, e.to_string()), true),
             Ok(request) => {
                 let op = request.op();
-                let r = handle(request, &mut session, &mut fd, service, config).await;
+                let r = handle(request, session, &mut fd, service, config).await;
                 service.metrics().request(op, started.elapsed());
                 r
             }
@@ -184,7 +214,7 @@ async fn handle(
     service: &Service,
     config: ServerConfig,
 ) -> (Response, bool) {
-    let Some(s) = session.as_ref() else {
+    let Some(s) = session.as_mut() else {
         return match request {
             Request::Register {
                 layout,
@@ -207,20 +237,33 @@ async fn handle(
         }
         Request::Offload { parent, blocks } => offload(s, parent, &blocks, service),
         Request::Lookup { keys, pin_ms } => {
-            let keys: Vec<BlockKey> = keys.into_iter().map(BlockKey).collect();
             let pin = Duration::from_millis(u64::from(pin_ms));
-            match service.lookup(s.layout, &keys, pin) {
-                Ok((l, pinned)) => Response::Found {
-                    host: l.host,
-                    any: l.any,
-                    pinned,
-                },
+            // Taken before the service pins, so this connection's deadline is never later
+            // than the store's.
+            let until = Instant::now() + pin.min(service.max_pin());
+            let block_keys: Vec<BlockKey> = keys.iter().copied().map(BlockKey).collect();
+            match service.lookup(s.layout, &block_keys, pin) {
+                Ok((l, pinned)) => {
+                    s.pins
+                        .add(keys.get(..pinned as usize).unwrap_or_default(), until);
+                    Response::Found {
+                        host: l.host,
+                        any: l.any,
+                        pinned,
+                    }
+                }
                 Err(e) => service_error(&e),
             }
         }
         Request::Unpin { keys } => {
-            let keys: Vec<BlockKey> = keys.into_iter().map(BlockKey).collect();
-            match service.unpin(s.layout, &keys) {
+            // Only this connection's own, live pins.
+            let mine: Vec<BlockKey> = s
+                .pins
+                .take(&keys, Instant::now())
+                .into_iter()
+                .map(BlockKey)
+                .collect();
+            match service.unpin(s.layout, &mine) {
                 Ok(blocks) => Response::Unpinned { blocks },
                 Err(e) => service_error(&e),
             }
@@ -263,6 +306,7 @@ fn register(
                 layout: id,
                 block_bytes,
                 segment,
+                pins: HeldPins::default(),
             });
             Response::Registered { layout_id: id.0 }
         }

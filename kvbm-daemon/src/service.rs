@@ -340,6 +340,11 @@ impl Service {
         Ok((found, pinned))
     }
 
+    /// The longest pin.
+    pub fn max_pin(&self) -> std::time::Duration {
+        self.max_pin
+    }
+
     /// Releases the pins of `keys`; returns how many there were.
     pub fn unpin(&self, layout: LayoutId, keys: &[BlockKey]) -> Result<u32, ServiceError> {
         Ok(self.open()?.store.unpin(layout, keys)?)

@@ -728,4 +728,23 @@ async fn pinned_blocks_stay_until_released_or_expired() {
     let text = metrics(s.metrics_port).await;
     assert_eq!(metric(&text, "kvgate_kvbm_pinned_blocks"), 0.0);
     assert_eq!(metric(&text, "kvgate_kvbm_pins_expired_total"), 4.0);
+
+    // A connection releases only its own pins, and its pins go when it closes.
+    assert_eq!(c.lookup_and_pin(vec![21], 60_000).await.unwrap(), (1, 1, 1));
+    let mut other = Client::connect(&s.socket, layout(), BLOCK).await.unwrap();
+    assert_eq!(other.unpin(vec![21]).await.unwrap(), 0, "not its pin");
+    assert_eq!(
+        metric(&metrics(s.metrics_port).await, "kvgate_kvbm_pinned_blocks"),
+        1.0
+    );
+    drop(c);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while metric(&metrics(s.metrics_port).await, "kvgate_kvbm_pinned_blocks") != 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the closed connection's pin released"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(other.lookup(vec![21]).await.unwrap(), (1, 1));
 }
