@@ -141,6 +141,18 @@ fn block(key: u64) -> Vec<u8> {
         .collect()
 }
 
+/// Checks that each slot of the segment holds its block's bytes.
+fn assert_intact(client: &Client, slots: &[Slot]) {
+    for slot in slots {
+        assert_eq!(
+            &client.segment().read(slot.offset, BLOCK).unwrap()[..],
+            &block(slot.key)[..],
+            "block {} onboarded intact",
+            slot.key
+        );
+    }
+}
+
 /// Writes blocks `keys` into slots 0.. of the segment and returns their slots.
 fn stage(client: &Client, keys: &[u64]) -> Vec<Slot> {
     keys.iter()
@@ -278,14 +290,7 @@ async fn offload_demote_onboard_publish_and_snapshot() {
             remote: 2
         }
     );
-    for slot in &into {
-        assert_eq!(
-            &c.segment().read(slot.offset, BLOCK).unwrap()[..],
-            &block(slot.key)[..],
-            "block {} onboarded intact",
-            slot.key
-        );
-    }
+    assert_intact(&c, &into);
     // A chain that starts with an unknown block onboards nothing.
     let unknown = vec![Slot { key: 99, offset: 0 }];
     assert_eq!(c.onboard(unknown).await.unwrap(), Onboarded::default());
@@ -623,14 +628,7 @@ async fn the_disk_tier_keeps_demoted_blocks_and_serves_them_first() {
             remote: 0
         }
     );
-    for slot in &into {
-        assert_eq!(
-            &c.segment().read(slot.offset, BLOCK).unwrap()[..],
-            &block(slot.key)[..],
-            "block {} read back from disk intact",
-            slot.key
-        );
-    }
+    assert_intact(&c, &into);
     let text = metrics(s.metrics_port).await;
     assert_eq!(
         metric(&text, "kvgate_kvbm_onboarded_blocks_total{tier=\"disk\"}"),
