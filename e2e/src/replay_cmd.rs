@@ -45,6 +45,12 @@ pub struct ReplayArgs {
     /// gets the same engines.
     #[arg(long, default_value_t = 0.0)]
     pub kv_offloading_gib: f64,
+    /// Analysis only, not a real engine: prefill costs the engines no compute and no KV reads,
+    /// as if every prompt were cached wherever it lands. Run a policy with it against a normal
+    /// run of another (two invocations) to bound what any router could gain over the other
+    /// by avoiding prefill. Applies to every policy of the run; the notes say so.
+    #[arg(long)]
+    pub free_prefill: bool,
     /// Policies, one run each (comma-separated): the EPP's (`kv`, `round-robin`, `random`,
     /// `least-load`, `prefix-only`), or `sglang-cache-aware`, a model of the cache-aware
     /// policy of SGLang's router, smg and vLLM's router (approximate tree from routing
@@ -273,7 +279,13 @@ pub fn run(args: &ReplayArgs) -> Result<(), ReplayCmdError> {
                 .window
                 .unwrap_or_else(|| Window::covering(&result.records));
             summaries.push(workload::summarize(&result.records, window, Slo::default()));
-            notes.push(note(policy, plan.load, &result, wall));
+            let mut line = note(policy, plan.load, &result, wall);
+            if args.free_prefill {
+                line.push_str(
+                    ", FREE PREFILL (--free-prefill: an analysis bound, not a real engine)",
+                );
+            }
+            notes.push(line);
         }
     }
     out.flush().map_err(io(&args.out))?;
@@ -295,6 +307,7 @@ fn engine_config(args: &ReplayArgs) -> Result<EngineConfig, ReplayCmdError> {
     let mut c = args.preset.config();
     c.set_offloading_gib(args.kv_offloading_gib)
         .map_err(|e| ReplayCmdError::Options(format!("--kv-offloading-gib: {e}")))?;
+    c.free_prefill = args.free_prefill;
     Ok(c)
 }
 
@@ -395,7 +408,7 @@ mod tests {
     }
 
     #[test]
-    fn offloading_gib_become_host_blocks_of_the_preset() {
+    fn offloading_gib_and_free_prefill_set_the_engine_config() {
         let off = engine_config(&args(&["--workload", "mooncake", "--preset", "small"])).unwrap();
         assert_eq!(off.num_host_blocks, 0);
         let on = engine_config(&args(&[
@@ -407,6 +420,9 @@ mod tests {
             "64",
         ]))
         .unwrap();
+        assert!(!off.free_prefill && !on.free_prefill);
+        let free = engine_config(&args(&["--workload", "doks", "--free-prefill"])).unwrap();
+        assert!(free.free_prefill);
         let block = on.kv_bytes_per_token * u64::from(on.block_size);
         assert_eq!(u64::from(on.num_host_blocks), (64u64 << 30) / block);
         on.validate().unwrap();

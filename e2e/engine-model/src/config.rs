@@ -36,8 +36,18 @@ pub struct EngineConfig {
     /// Bytes/s at which offloaded blocks load back into GPU memory (PCIe host → device).
     #[serde(default = "default_host_load_bandwidth")]
     pub host_load_bandwidth: u64,
+    /// Analysis only, no real engine has it: prefill chunks cost no compute and no KV reads
+    /// (a prefilling sequence still takes its slot in the step, and a step with only prefill
+    /// still streams the weights). A run with it bounds what any placement could gain by
+    /// avoiding prefill (`kvgate-bench replay --free-prefill`). Off by default.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub free_prefill: bool,
     /// The step-cost model.
     pub cost: CostModel,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// PCIe Gen5 x16 host → device with pinned buffers, as achieved (not the 64 GB/s line rate).

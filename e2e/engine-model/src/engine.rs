@@ -118,7 +118,11 @@ impl Engine {
             let first_scheduled = *req.first_scheduled.get_or_insert(now);
             let completes = req.num_computed >= req.num_tokens();
             let decode = completes && num_new == 1 && req.num_generated() > 0;
-            shape.add_seq(before as u64, num_new as u64, decode, completes);
+            if decode || !self.config.free_prefill {
+                shape.add_seq(before as u64, num_new as u64, decode, completes);
+            } else {
+                shape.add_seq(0, 0, false, completes);
+            }
             if !completes {
                 continue;
             }

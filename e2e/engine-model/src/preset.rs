@@ -125,6 +125,7 @@ impl Preset {
             // Offloading is a deployment choice (`--kv-offloading-size`): off in every preset.
             num_host_blocks: 0,
             host_load_bandwidth: crate::config::PCIE5_H2D_BYTES_PER_S,
+            free_prefill: false,
             cost,
         }
     }

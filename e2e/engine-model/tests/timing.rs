@@ -108,3 +108,40 @@ fn an_empty_batch_costs_nothing_and_any_batch_costs_the_overhead() {
         assert!(c.cost.duration(&one, c.kv_bytes_per_token) > c.cost.step_overhead_ns);
     }
 }
+
+/// The `free_prefill` analysis knob: a prompt's chunk costs nothing beyond the step itself, and
+/// decode steps cost what they always do.
+#[test]
+fn free_prefill_costs_prompts_nothing_and_leaves_decode_alone() {
+    for p in Preset::ALL {
+        // (first step, second step) of one request of `len` prompt tokens and two outputs.
+        let steps = |free: bool, len: u32| {
+            let mut config = p.config();
+            config.free_prefill = free;
+            let mut e = Engine::new(config).unwrap();
+            e.add_request(NewRequest {
+                id: 1,
+                prompt: (0..len).map(|t| t + 10).collect(),
+                output: vec![1, 2],
+                hasher: Box::new(XxhChain::new(1)),
+                arrival: 0,
+                kv_transfer: None,
+            })
+            .unwrap();
+            let first = e.step(0).unwrap().duration;
+            let second = e.step(first).unwrap().duration;
+            (first, second)
+        };
+        let (long, long_decode) = steps(false, 512);
+        let (short, _) = steps(false, 16);
+        assert!(
+            long > short,
+            "{p}: a long prompt costs more ({long} vs {short})"
+        );
+        let (free_long, free_decode) = steps(true, 512);
+        let (free_short, _) = steps(true, 16);
+        assert_eq!(free_long, free_short, "{p}");
+        assert!(free_long <= short, "{p}");
+        assert_eq!(free_decode, long_decode, "{p}: decode is unchanged");
+    }
+}
