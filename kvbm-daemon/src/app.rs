@@ -22,7 +22,9 @@ use crate::args::Args;
 use crate::disk::{DirectIo, DiskDir, DiskError};
 use crate::metrics::Metrics;
 use crate::outbox::{Identity, Outbox};
-use crate::remote::redis::{Redis, RedisConfig, RemoteError, redact};
+use crate::remote::redis::{Redis, RedisConfig};
+use crate::remote::s3::{self, S3, S3Config, S3Options};
+use crate::remote::{Remote, RemoteError};
 use crate::server::{self, ServerConfig};
 use crate::service::{self, Backends, QueueBounds, Service};
 use crate::store::{BlockStore, StoreConfig};
@@ -71,7 +73,9 @@ impl cli_support::ExitStatus for AppError {
     fn exit_code(&self) -> u8 {
         match self {
             AppError::Start(_)
-            | AppError::Remote(RemoteError::Url(_) | RemoteError::Tls(_))
+            | AppError::Remote(
+                RemoteError::Url(_) | RemoteError::Tls(_) | RemoteError::Credentials(_),
+            )
             | AppError::Disk(DiskError::Locked { .. }) => cli_support::EXIT_CONFIG,
             _ => 1,
         }
@@ -176,29 +180,22 @@ async fn serve(args: Args) -> Result<(), AppError> {
         epoch,
         args.max_keys_per_envelope,
     );
-    let redis = match &args.remote_url {
+    let remote = match &args.remote_url {
         None => None,
         Some(url) => {
-            let mut config = RedisConfig::from_url(
-                url,
-                Duration::from_millis(args.remote_timeout_ms),
-                usize::try_from(args.max_segment_bytes.min(1 << 30)).unwrap_or(1 << 30),
-            )?;
-            if let Some(tls) = &mut config.tls {
-                tls.ca_file.clone_from(&args.remote_ca_file);
-            }
-            let redis = Arc::new(Redis::new(config));
+            let remote = Arc::new(remote_store(&args, url)?);
             // A CA bundle that cannot be read is a configuration error, found now; the
             // connector built here serves every later connect.
-            redis.prepare_tls()?;
-            match redis.ping().await {
-                Ok(()) => tracing::info!(remote = %redact(url), "remote store reachable"),
+            remote.prepare_tls()?;
+            match remote.ping().await {
+                Ok(()) => tracing::info!(remote = %remote.address(), "remote store reachable"),
                 Err(e) => tracing::warn!(
-                    remote = %redact(url), error = %e,
-                    "remote store unreachable now; each command retries the connection"
+                    remote = %remote.address(), error = %e,
+                    "remote store unreachable now (or the bucket is missing or refused); \
+                     each command retries"
                 ),
             }
-            Some(redis)
+            Some(remote)
         }
     };
     let metrics = Arc::new(Metrics::default());
@@ -211,7 +208,7 @@ async fn serve(args: Args) -> Result<(), AppError> {
         Duration::from_millis(u64::from(args.max_pin_ms)),
         Backends {
             disk: disk.clone(),
-            redis: redis.clone(),
+            remote: remote.clone(),
         },
         [
             QueueBounds {
@@ -228,8 +225,8 @@ async fn serve(args: Args) -> Result<(), AppError> {
     let service = parts.service;
     // The epoch's first envelope: whatever a previous run left in receivers' indexes goes.
     service.announce_start();
-    if let (Some(redis), Some(rx)) = (redis, parts.remote) {
-        tokio::spawn(service::remote_writer(Arc::clone(&service), redis, rx));
+    if let (Some(remote), Some(rx)) = (remote, parts.remote) {
+        tokio::spawn(service::remote_writer(Arc::clone(&service), remote, rx));
     }
     if let (Some(disk), Some(rx)) = (disk, parts.disk) {
         let service = Arc::clone(&service);
@@ -327,4 +324,36 @@ async fn ready(State(service): State<Arc<Service>>) -> (StatusCode, &'static str
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "NATS not connected")
     }
+}
+
+/// The remote store `url` names, configured from the flags (and, for S3, the environment's
+/// AWS credentials and region).
+fn remote_store(args: &Args, url: &str) -> Result<Remote, RemoteError> {
+    let timeout = Duration::from_millis(args.remote_timeout_ms);
+    let max_value = usize::try_from(args.max_segment_bytes.min(1 << 30)).unwrap_or(1 << 30);
+    if url.starts_with("s3://") {
+        let env = |name: &str| std::env::var(name).ok();
+        let options = S3Options {
+            endpoint: args.s3_endpoint.clone(),
+            region: args
+                .s3_region
+                .clone()
+                .unwrap_or_else(|| s3::region_from(env)),
+            addressing: args.s3_addressing,
+        };
+        let mut config = S3Config::from_url(
+            url,
+            &options,
+            s3::credentials_from(env)?,
+            timeout,
+            max_value,
+        )?;
+        config.ca_file.clone_from(&args.remote_ca_file);
+        return Ok(Remote::S3(S3::new(config)));
+    }
+    let mut config = RedisConfig::from_url(url, timeout, max_value)?;
+    if let Some(tls) = &mut config.tls {
+        tls.ca_file.clone_from(&args.remote_ca_file);
+    }
+    Ok(Remote::Redis(Redis::new(config)))
 }

@@ -2,8 +2,10 @@
 
 use std::path::PathBuf;
 
+use crate::remote::s3::Addressing;
+
 /// kvgate KV block manager (node daemon): keeps KV blocks that engines offload in host memory,
-/// on local disk and in a remote store (Redis), gives them back on request, and publishes what
+/// on local disk and in a remote store (Redis or S3), gives them back on request, and publishes what
 /// it holds so the endpoint picker can route to the pods of this node.
 ///
 /// Engine connectors connect to `--socket`, pass a shared-memory segment and exchange control
@@ -55,15 +57,28 @@ pub struct Args {
     /// counted.
     #[arg(long, default_value_t = 1 << 30)]
     pub disk_queue_bytes: u64,
-    /// Remote tier (G4): `redis://[[user]:password@]host[:port][/db]`, or `rediss://…` for
-    /// TLS (the server's certificate is verified for the URL's host); disabled when absent.
-    /// (`s3://` is not in this build.)
+    /// Remote tier (G4): `redis://[[user]:password@]host[:port][/db]`, `rediss://…` for TLS
+    /// (the server's certificate is verified for the URL's host), or `s3://bucket[/prefix]`
+    /// for an S3 bucket (AWS or S3-compatible: see `--s3-endpoint`; credentials from
+    /// `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and optional `AWS_SESSION_TOKEN`);
+    /// disabled when absent.
     #[arg(long, env = "KVGATE_KVBM_REMOTE_URL", hide_env_values = true)]
     pub remote_url: Option<String>,
-    /// PEM bundle of the CAs that sign Redis's certificate, for `rediss://` (default: the
-    /// system's roots).
+    /// PEM bundle of the CAs that sign the remote store's certificate, for `rediss://` or an
+    /// `https://` S3 endpoint (default: the system's roots).
     #[arg(long, env = "KVGATE_KVBM_REMOTE_CA_FILE")]
     pub remote_ca_file: Option<PathBuf>,
+    /// S3 endpoint, `http[s]://host[:port]` (MinIO, Ceph RGW, …); default AWS's
+    /// `https://s3.<region>.amazonaws.com`. Use `https://` unless the endpoint is on the node.
+    #[arg(long, env = "KVGATE_KVBM_S3_ENDPOINT")]
+    pub s3_endpoint: Option<String>,
+    /// S3 signing region; default `AWS_REGION`, then `AWS_DEFAULT_REGION`, then `us-east-1`.
+    #[arg(long)]
+    pub s3_region: Option<String>,
+    /// S3 bucket addressing: `auto` is virtual-hosted (`bucket.host`) for AWS's endpoint and
+    /// path-style (`host/bucket`) for `--s3-endpoint`.
+    #[arg(long, value_enum, default_value_t = Addressing::Auto)]
+    pub s3_addressing: Addressing,
     /// Bytes this node may keep in the remote store (its least recently used blocks are
     /// deleted beyond it).
     #[arg(long, default_value_t = 32 << 30)]
@@ -122,22 +137,37 @@ pub struct Args {
 impl Args {
     /// Checks what clap cannot.
     pub fn validate(&self) -> Result<(), String> {
-        if let Some(url) = &self.remote_url
-            && !url.starts_with("redis://")
-            && !url.starts_with("rediss://")
+        let url = self.remote_url.as_deref();
+        if let Some(url) = url
+            && !["redis://", "rediss://", "s3://"]
+                .iter()
+                .any(|scheme| url.starts_with(scheme))
         {
             return Err(format!(
-                "--remote-url must be redis://… or rediss://… (s3:// is not in this build), got {}",
+                "--remote-url must be redis://…, rediss://… or s3://…, got {}",
                 crate::remote::redis::redact(url)
             ));
         }
-        if self.remote_ca_file.is_some()
-            && !self
-                .remote_url
-                .as_deref()
-                .is_some_and(|u| u.starts_with("rediss://"))
+        let s3 = url.is_some_and(|u| u.starts_with("s3://"));
+        let tls = url.is_some_and(|u| u.starts_with("rediss://"))
+            || (s3
+                && !self
+                    .s3_endpoint
+                    .as_deref()
+                    .is_some_and(|e| e.starts_with("http://")));
+        if self.remote_ca_file.is_some() && !tls {
+            return Err(
+                "--remote-ca-file needs a rediss:// --remote-url or an https S3 endpoint".into(),
+            );
+        }
+        if !s3
+            && (self.s3_endpoint.is_some()
+                || self.s3_region.is_some()
+                || self.s3_addressing != Addressing::Auto)
         {
-            return Err("--remote-ca-file needs a rediss:// --remote-url".into());
+            return Err(
+                "--s3-endpoint, --s3-region and --s3-addressing need an s3:// --remote-url".into(),
+            );
         }
         let disk = self.disk_dir.is_some() && self.disk_bytes > 0;
         let remote = self.remote_url.is_some() && self.remote_bytes > 0;
@@ -219,7 +249,23 @@ mod tests {
                 vec!["--host-bytes", "0", "--disk-dir", "/d", "--disk-bytes", "0"],
                 "no tier",
             ),
-            (vec!["--remote-url", "s3://b"], "redis://"),
+            (vec!["--remote-url", "gs://b"], "s3://"),
+            (vec!["--s3-region", "eu-west-1"], "s3:// --remote-url"),
+            (
+                vec!["--remote-url", "redis://h", "--s3-endpoint", "http://m"],
+                "s3:// --remote-url",
+            ),
+            (
+                vec![
+                    "--remote-url",
+                    "s3://b",
+                    "--s3-endpoint",
+                    "http://m:9000",
+                    "--remote-ca-file",
+                    "/ca.pem",
+                ],
+                "https S3 endpoint",
+            ),
             (vec!["--host-bytes", "0"], "no tier"),
             (vec!["--publish-interval-ms", "0"], "positive"),
         ] {
@@ -240,6 +286,18 @@ mod tests {
             .validate(),
             Ok(())
         );
+        let s3 = parse(&[
+            "--remote-url",
+            "s3://bucket/p",
+            "--s3-endpoint",
+            "https://minio:9000",
+            "--s3-addressing",
+            "path",
+            "--remote-ca-file",
+            "/ca.pem",
+        ]);
+        assert_eq!(s3.validate(), Ok(()));
+        assert_eq!(s3.s3_addressing, Addressing::Path);
         let e = parse(&["--remote-url", "redis://h", "--remote-ca-file", "/ca.pem"])
             .validate()
             .unwrap_err();

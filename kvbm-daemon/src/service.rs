@@ -31,8 +31,7 @@ use tokio::sync::{Notify, mpsc};
 use crate::disk::{DiskDir, DiskError, block_file_name};
 use crate::metrics::Metrics;
 use crate::outbox::{Group, Outbox};
-use crate::remote::block_name;
-use crate::remote::redis::Redis;
+use crate::remote::Remote;
 use crate::store::{
     BlockId, BlockStore, Effect, Found, Layout, LayoutId, Lookup, Offloaded, StoreError,
 };
@@ -45,7 +44,8 @@ const READ_AHEAD_BYTES: u64 = 64 << 20;
 /// A disk read running on the blocking pool.
 type DiskRead = tokio::task::JoinHandle<Result<Option<Bytes>, DiskError>>;
 
-/// The largest block the remote tier takes (Redis's default `proto-max-bulk-len`).
+/// The largest block the remote tier takes (Redis's default `proto-max-bulk-len`; S3 takes
+/// up to 5 GiB in one `PUT`).
 pub const MAX_REMOTE_BLOCK_BYTES: u64 = 512 << 20;
 
 /// A queued lower-tier write.
@@ -55,7 +55,7 @@ pub enum WriteOp {
     Put {
         /// The block (forgotten by the store if the write fails).
         id: BlockId,
-        /// Its name in the tier (Redis key or file name).
+        /// Its name in the tier (file name, Redis key or S3 object key).
         name: String,
         /// The block.
         data: Bytes,
@@ -147,7 +147,17 @@ pub struct Backends {
     /// The disk tier's directory.
     pub disk: Option<Arc<DiskDir>>,
     /// The remote store.
-    pub redis: Option<Arc<Redis>>,
+    pub remote: Option<Arc<Remote>>,
+}
+
+impl Backends {
+    /// A block's name in a lower tier.
+    fn name(&self, tier: Tier, fingerprint: u64, key: BlockKey) -> String {
+        match (tier, &self.remote) {
+            (Tier::Disk, _) | (_, None) => block_file_name(fingerprint, key),
+            (_, Some(remote)) => remote.block_name(fingerprint, key),
+        }
+    }
 }
 
 /// The shared state.
@@ -169,7 +179,10 @@ impl std::fmt::Debug for Service {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Service")
             .field("disk", &self.backends.disk.as_ref().map(|d| d.path()))
-            .field("remote", &self.backends.redis.as_ref().map(|r| r.address()))
+            .field(
+                "remote",
+                &self.backends.remote.as_ref().map(|r| r.address()),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -197,14 +210,6 @@ pub struct QueueBounds {
     pub bytes: u64,
 }
 
-/// A block's name in a lower tier.
-fn tier_name(tier: Tier, fingerprint: u64, key: BlockKey) -> String {
-    match tier {
-        Tier::Disk => block_file_name(fingerprint, key),
-        _ => block_name(fingerprint, key),
-    }
-}
-
 impl Service {
     /// A service over `store`, and the channels its edges drain; each present back end's
     /// writes go through a queue bounded by its `bounds` (disk, remote).
@@ -226,7 +231,7 @@ impl Service {
             })
         };
         let disk = queue(backends.disk.is_some(), Tier::Disk, disk_bounds);
-        let remote = queue(backends.redis.is_some(), Tier::Remote, remote_bounds);
+        let remote = queue(backends.remote.is_some(), Tier::Remote, remote_bounds);
         let (sealed_tx, sealed) = mpsc::unbounded_channel();
         let service = Arc::new(Self {
             state: Mutex::new(State {
@@ -297,7 +302,7 @@ impl Service {
             })
             .into());
         }
-        if self.backends.redis.is_some() && layout.block_bytes > MAX_REMOTE_BLOCK_BYTES {
+        if self.backends.remote.is_some() && layout.block_bytes > MAX_REMOTE_BLOCK_BYTES {
             return Err(StoreError::Layout(crate::store::LayoutError::Invalid(
                 "blocks above 512 MiB do not fit the remote tier (Redis's bulk limit)",
             ))
@@ -389,21 +394,21 @@ impl Service {
                 continue;
             }
             let tier = *tier;
-            // Not past a remote block: a Redis timeout there ends the chain.
+            // Not past a remote block: a remote timeout there ends the chain.
             while spawned < found.len() && spawned < i + window {
                 if let Some((Tier::Remote, _)) = found.get(spawned) {
                     break;
                 }
                 if let (Some((Tier::Disk, None)), Some(k)) = (found.get(spawned), keys.get(spawned))
                 {
-                    let name = tier_name(Tier::Disk, fingerprint, *k);
+                    let name = self.backends.name(Tier::Disk, fingerprint, *k);
                     if let Some(read) = self.spawn_disk_read(name, block_bytes) {
                         ahead.insert(spawned, read);
                     }
                 }
                 spawned += 1;
             }
-            let name = tier_name(tier, fingerprint, *key);
+            let name = self.backends.name(tier, fingerprint, *key);
             let id = BlockId { layout, key: *key };
             let result = match ahead.remove(&i) {
                 // A read started early may have missed a file whose put landed since (and
@@ -420,7 +425,7 @@ impl Service {
                     let label = tier_label(tier);
                     self.metrics.tier_error(label, "read", kind);
                     tracing::warn!(tier = label, error = %message, "lower-tier read failed");
-                    // A Redis timeout may pass: the block stays indexed. A file that cannot
+                    // A remote timeout may pass: the block stays indexed. A file that cannot
                     // be read is treated as gone, or a hot unreadable block would stay
                     // claimed for ever.
                     if tier != Tier::Disk {
@@ -499,9 +504,9 @@ impl Service {
                 Some(read) => Self::disk_result(read).await,
                 None => Ok(None),
             },
-            _ => match &self.backends.redis {
-                Some(redis) => redis
-                    .get(name.as_bytes())
+            _ => match &self.backends.remote {
+                Some(remote) => remote
+                    .get(&name)
                     .await
                     .map_err(|e| (e.metric_label(), e.to_string())),
                 None => Ok(None),
@@ -523,14 +528,14 @@ impl Service {
                     }
                 }
                 Effect::Write { tier, id, data } => {
-                    if let Some(name) = name_of(&state.store, tier, id)
+                    if let Some(name) = name_of(&self.backends, &state.store, tier, id)
                         && !self.queue_put(tier, id, name, data)
                     {
                         dropped.push((id, tier));
                     }
                 }
                 Effect::Delete { tier, id } => {
-                    if let Some(name) = name_of(&state.store, tier, id) {
+                    if let Some(name) = name_of(&self.backends, &state.store, tier, id) {
                         self.queue_delete(tier, name);
                     }
                 }
@@ -734,10 +739,10 @@ fn tier_label(tier: Tier) -> &'static str {
     }
 }
 
-fn name_of(store: &BlockStore, tier: Tier, id: BlockId) -> Option<String> {
+fn name_of(backends: &Backends, store: &BlockStore, tier: Tier, id: BlockId) -> Option<String> {
     store
         .layout(id.layout)
-        .map(|l| tier_name(tier, l.fingerprint(), id.key))
+        .map(|l| backends.name(tier, l.fingerprint(), id.key))
 }
 
 /// Counts a finished write, and reports a failed put to the service.
@@ -765,23 +770,23 @@ fn write_finished(
     }
 }
 
-/// Drains the remote write queue into Redis for the life of the service.
+/// Drains the remote write queue into the remote store for the life of the service.
 pub async fn remote_writer(
     service: Arc<Service>,
-    redis: Arc<Redis>,
+    remote: Arc<Remote>,
     mut rx: mpsc::UnboundedReceiver<WriteOp>,
 ) {
     while let Some(op) = rx.recv().await {
         match op {
             WriteOp::Put { id, name, data } => {
-                let r = redis.put(name.as_bytes(), &data).await;
+                let r = remote.put(&name, &data).await;
                 service.put_done(Tier::Remote, &name);
                 let error = r.err().map(|e| (e.metric_label(), e.to_string()));
                 write_finished(&service, Tier::Remote, "write", Some((id, name)), error);
             }
             WriteOp::Delete { name } => {
-                let error = redis
-                    .delete(name.as_bytes())
+                let error = remote
+                    .delete(&name)
                     .await
                     .err()
                     .map(|e| (e.metric_label(), e.to_string()));
@@ -821,7 +826,7 @@ mod tests {
 
     use super::*;
     use crate::outbox::Identity;
-    use crate::remote::redis::RedisConfig;
+    use crate::remote::redis::{Redis, RedisConfig};
     use crate::store::StoreConfig;
 
     const B: u64 = 8;
@@ -841,7 +846,7 @@ mod tests {
     /// A service of 2 host blocks and `disk_blocks` disk blocks over `backends` (with a
     /// remote budget of 64 blocks when there is Redis), its layout registered.
     fn start(disk_blocks: u64, backends: Backends, queue_bytes: u64) -> (Parts, LayoutId) {
-        let remote_bytes = if backends.redis.is_some() { 64 * B } else { 0 };
+        let remote_bytes = if backends.remote.is_some() { 64 * B } else { 0 };
         let parts = Service::start(
             BlockStore::new(StoreConfig {
                 host_bytes: 2 * B,
@@ -881,7 +886,7 @@ mod tests {
         );
         let backends = Backends {
             disk: None,
-            redis: Some(Arc::new(redis)),
+            remote: Some(Arc::new(Remote::Redis(redis))),
         };
         start(0, backends, queue_bytes)
     }
@@ -916,7 +921,7 @@ mod tests {
         let disk = Arc::new(DiskDir::open(dir, crate::disk::DirectIo::Off).unwrap());
         let backends = Backends {
             disk: Some(Arc::clone(&disk)),
-            redis: None,
+            remote: None,
         };
         let (parts, l) = start(4, backends, 1 << 20);
         (parts, l, disk)

@@ -1,6 +1,7 @@
 //! The `kvgate-kvbm` binary against real parts: a connector (the crate's reference client)
 //! passing a memfd segment over the socket, a real `nats-server` receiving the envelopes and
-//! answering snapshot requests, and a real `redis-server` as the remote tier.
+//! answering snapshot requests, and a real `redis-server` (or an S3 server, moto) as the
+//! remote tier.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -21,14 +22,14 @@ use kv_events::{Envelope, KvEvent, Tier};
 use kvgate_kvbm::client::{Client, ClientError, Onboarded};
 use kvgate_kvbm::protocol::{ErrorCode, Slot};
 use kvgate_kvbm::store::Layout;
-use support::{Proc, free_port, nats_server, redis_server, wait_port};
+use support::{Proc, free_port, nats_server, redis_server, s3_server, wait_port};
 use tokio_stream::StreamExt as _;
 
 const BLOCK: u64 = 4096;
 
 struct Stack {
     _nats: Proc,
-    _redis: Proc,
+    _remote: Proc,
     kvbm: Option<Proc>,
     nats_url: String,
     socket: PathBuf,
@@ -64,7 +65,7 @@ fn test_dir() -> PathBuf {
 fn kvbm_args(
     dir: &std::path::Path,
     nats_url: &str,
-    redis_port: u16,
+    remote_url: &str,
     metrics_port: u16,
     host_bytes: u64,
 ) -> Vec<String> {
@@ -92,7 +93,7 @@ fn kvbm_args(
         "--host-bytes".into(),
         host_bytes.to_string(),
         "--remote-url".into(),
-        format!("redis://127.0.0.1:{redis_port}"),
+        remote_url.into(),
         "--remote-bytes".into(),
         (64 * BLOCK).to_string(),
     ])
@@ -105,16 +106,61 @@ fn stack_in(dir: PathBuf, host_bytes: u64, extra: &[String]) -> Stack {
     let nats = nats_server(nats_port);
     let redis_port = free_port();
     let redis = redis_server(redis_port, None);
+    let remote_url = format!("redis://127.0.0.1:{redis_port}");
+    start_stack(
+        dir,
+        nats_port,
+        nats,
+        (redis, &remote_url),
+        host_bytes,
+        extra,
+        &[],
+    )
+}
+
+/// A stack whose remote tier is the bucket `kvgate` of an S3 server (moto, checking
+/// signatures), under the prefix `node-a`.
+fn stack_s3(host_bytes: u64) -> Stack {
+    let nats_port = free_port();
+    let nats = nats_server(nats_port);
+    let s3 = s3_server(free_port(), "kvgate");
+    let endpoint = format!("http://127.0.0.1:{}", s3.port);
+    let extra = ["--s3-endpoint".to_owned(), endpoint];
+    let env = [
+        ("AWS_ACCESS_KEY_ID", s3.access_key.as_str()),
+        ("AWS_SECRET_ACCESS_KEY", s3.secret_key.as_str()),
+    ];
+    start_stack(
+        test_dir(),
+        nats_port,
+        nats,
+        (s3.proc, "s3://kvgate/node-a"),
+        host_bytes,
+        &extra,
+        &env,
+    )
+}
+
+/// Starts kvgate-kvbm beside a running NATS and remote store.
+fn start_stack(
+    dir: PathBuf,
+    nats_port: u16,
+    nats: Proc,
+    (remote, remote_url): (Proc, &str),
+    host_bytes: u64,
+    extra: &[String],
+    env: &[(&str, &str)],
+) -> Stack {
     let metrics_port = free_port();
     let socket = dir.join("kvbm.sock");
     let nats_url = format!("nats://127.0.0.1:{nats_port}");
-    let mut args = kvbm_args(&dir, &nats_url, redis_port, metrics_port, host_bytes);
+    let mut args = kvbm_args(&dir, &nats_url, remote_url, metrics_port, host_bytes);
     args.extend_from_slice(extra);
-    let kvbm = Proc::spawn(env!("CARGO_BIN_EXE_kvgate-kvbm"), &args);
+    let kvbm = Proc::spawn_env(env!("CARGO_BIN_EXE_kvgate-kvbm"), &args, env);
     wait_port(metrics_port, "kvgate-kvbm");
     Stack {
         _nats: nats,
-        _redis: redis,
+        _remote: remote,
         kvbm: Some(kvbm),
         nats_url,
         socket,
@@ -648,7 +694,7 @@ async fn the_disk_tier_keeps_demoted_blocks_and_serves_them_first() {
     let mut second = kvbm_args(
         &dir.join("second"),
         "nats://127.0.0.1:1",
-        1,
+        "redis://127.0.0.1:1",
         free_port(),
         BLOCK,
     );
@@ -660,6 +706,61 @@ async fn the_disk_tier_keeps_demoted_blocks_and_serves_them_first() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("lock"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_s3_bucket_keeps_demoted_blocks_and_serves_them_back() {
+    let s = stack_s3(4 * BLOCK);
+    let mut c = Client::connect(&s.socket, layout(), 8 * BLOCK)
+        .await
+        .unwrap();
+    // A chain of 6 blocks into a 4-block host tier: the first two are demoted to the bucket.
+    let keys = [21, 22, 23, 24, 25, 26];
+    let slots = stage(&c, &keys);
+    assert_eq!(c.offload(None, slots).await.unwrap(), (6, 0, 0));
+    // Wait until both puts are in the bucket (not merely queued, which would serve them too).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = metrics(s.metrics_port).await;
+        if metric(&text, "kvgate_kvbm_writes_total{tier=\"remote\"}") >= 2.0 {
+            assert_eq!(
+                metric(&text, "kvgate_kvbm_write_queued_bytes{tier=\"remote\"}"),
+                0.0
+            );
+            assert!(
+                !text.contains("kvgate_kvbm_tier_errors_total{tier=\"remote\""),
+                "{text}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "remote writes in time: {text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Onboard into fresh slots: 21 and 22 come back from S3, the rest from host memory.
+    for i in 0..8 {
+        c.segment()
+            .write(i * BLOCK, &vec![0; BLOCK as usize])
+            .unwrap();
+    }
+    let into: Vec<Slot> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| Slot {
+            key: *k,
+            offset: (i as u64 + 3) % 8 * BLOCK,
+        })
+        .collect();
+    let got = c.onboard(into.clone()).await.unwrap();
+    assert_eq!(
+        got,
+        Onboarded {
+            blocks: 6,
+            host: 4,
+            disk: 0,
+            remote: 2
+        }
+    );
+    assert_intact(&c, &into);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

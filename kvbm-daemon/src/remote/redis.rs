@@ -7,12 +7,10 @@
 //! URL's host name.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use rustls_pki_types::pem::PemObject as _;
-use rustls_pki_types::{CertificateDer, ServerName};
+use rustls_pki_types::ServerName;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;
@@ -66,56 +64,7 @@ impl std::fmt::Debug for RedisConfig {
     }
 }
 
-/// Why a Redis command failed.
-#[derive(Debug, thiserror::Error)]
-pub enum RemoteError {
-    /// The URL is not a `redis://` URL this client understands.
-    #[error("invalid Redis URL: {0}")]
-    Url(String),
-    /// Connecting, writing or reading failed.
-    #[error("Redis I/O: {0}")]
-    Io(#[from] std::io::Error),
-    /// The command did not complete in time.
-    #[error("Redis command timed out after {0:?}")]
-    Timeout(Duration),
-    /// The server broke the protocol or a bound.
-    #[error("Redis protocol: {0}")]
-    Protocol(#[from] RespError),
-    /// The server refused the command.
-    #[error("Redis refused {command}: {message}")]
-    Refused {
-        /// The command.
-        command: &'static str,
-        /// The server's error line.
-        message: String,
-    },
-    /// A reply of the wrong type.
-    #[error("unexpected Redis reply to {command}: {reply:?}")]
-    Unexpected {
-        /// The command.
-        command: &'static str,
-        /// The reply.
-        reply: Reply,
-    },
-    /// TLS could not be set up (the CA bundle) or the handshake failed.
-    #[error("Redis TLS: {0}")]
-    Tls(String),
-}
-
-impl RemoteError {
-    /// A bounded label for metrics.
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            Self::Url(_) => "url",
-            Self::Io(_) => "io",
-            Self::Timeout(_) => "timeout",
-            Self::Protocol(_) => "protocol",
-            Self::Refused { .. } => "refused",
-            Self::Unexpected { .. } => "unexpected",
-            Self::Tls(_) => "tls",
-        }
-    }
-}
+pub use super::RemoteError;
 
 impl RedisConfig {
     /// Parses a `redis://` or `rediss://` (TLS, trusting the system's roots until
@@ -191,47 +140,10 @@ impl RedisConfig {
         let Some(tls) = &self.tls else {
             return Ok(None);
         };
-        let mut roots = rustls::RootCertStore::empty();
-        match &tls.ca_file {
-            Some(path) => {
-                let certs = CertificateDer::pem_file_iter(path)
-                    .and_then(Iterator::collect::<Result<Vec<_>, _>>)
-                    .map_err(|e| RemoteError::Tls(format!("reading {}: {e}", path.display())))?;
-                if certs.is_empty() {
-                    return Err(RemoteError::Tls(format!(
-                        "{} holds no certificate",
-                        path.display()
-                    )));
-                }
-                for cert in certs {
-                    roots
-                        .add(cert)
-                        .map_err(|e| RemoteError::Tls(format!("{}: {e}", path.display())))?;
-                }
-            }
-            None => {
-                let native = rustls_native_certs::load_native_certs();
-                for e in &native.errors {
-                    tracing::warn!(error = %e, "loading the system's CA certificates");
-                }
-                roots.add_parsable_certificates(native.certs);
-                if roots.is_empty() {
-                    return Err(RemoteError::Tls(
-                        "no system CA certificates found; give --remote-ca-file".into(),
-                    ));
-                }
-            }
-        }
-        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| RemoteError::Tls(e.to_string()))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+        let config = super::tls::client_config(tls.ca_file.as_deref())?;
         let name = ServerName::try_from(tls.server_name.clone())
             .map_err(|e| RemoteError::Tls(format!("server name {}: {e}", tls.server_name)))?;
-        Ok(Some((TlsConnector::from(Arc::new(config)), name)))
+        Ok(Some((TlsConnector::from(config), name)))
     }
 }
 

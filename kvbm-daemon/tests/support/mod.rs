@@ -43,10 +43,17 @@ impl Drop for Proc {
 impl Proc {
     /// Starts `bin` with `args`, its output discarded.
     pub fn spawn(bin: &str, args: &[String]) -> Proc {
+        Self::spawn_env(bin, args, &[])
+    }
+
+    /// Starts `bin` with `args` and the variables `env` added to its environment, its output
+    /// discarded.
+    pub fn spawn_env(bin: &str, args: &[String], env: &[(&str, &str)]) -> Proc {
         Proc(
             Command::new(bin)
                 .args(args)
                 .env("RUST_LOG", "error")
+                .envs(env.iter().copied())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
@@ -136,4 +143,83 @@ pub fn nats_server(port: u16) -> Proc {
     );
     wait_port(port, "nats-server (apt-get install nats-server)");
     proc
+}
+
+/// The workspace's `.venv` (scripts/bootstrap.sh).
+fn venv_bin(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../.venv/bin")
+        .join(name)
+}
+
+/// An S3 server: moto (`moto[server]` in `.venv`, installed by `scripts/bootstrap.sh`;
+/// `KVGATE_MOTO_SERVER` points elsewhere) with request authentication on, its account holding
+/// one IAM user allowed `s3:*` and the bucket `bucket`. Signatures are checked by moto against
+/// the user's key as AWS would (botocore's SigV4), so a wrongly signed request is refused.
+pub struct S3Server {
+    /// The server.
+    pub proc: Proc,
+    /// Its port.
+    pub port: u16,
+    /// The user's access key id.
+    pub access_key: String,
+    /// Its secret.
+    pub secret_key: String,
+}
+
+/// Starts an [`S3Server`] on `port` with `bucket` created.
+pub fn s3_server(port: u16, bucket: &str) -> S3Server {
+    let bin = std::env::var("KVGATE_MOTO_SERVER")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| venv_bin("moto_server"));
+    // The first three requests (the IAM set-up below) are not authenticated; every later one is.
+    let proc = Proc::spawn_env(
+        &bin.display().to_string(),
+        &[
+            "-H".into(),
+            "127.0.0.1".into(),
+            "-p".into(),
+            port.to_string(),
+        ],
+        &[("INITIAL_NO_AUTH_ACTION_COUNT", "3")],
+    );
+    wait_port(port, "moto_server");
+    let python = bin.with_file_name("python");
+    let script = format!(
+        r#"
+import json, boto3
+url = "http://127.0.0.1:{port}"
+kw = dict(endpoint_url=url, region_name="us-east-1")
+iam = boto3.client("iam", aws_access_key_id="setup", aws_secret_access_key="setup", **kw)
+iam.create_user(UserName="kvbm")
+iam.put_user_policy(UserName="kvbm", PolicyName="s3", PolicyDocument=json.dumps(
+    {{"Version": "2012-10-17", "Statement": [{{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}}]}}))
+key = iam.create_access_key(UserName="kvbm")["AccessKey"]
+s3 = boto3.client("s3", aws_access_key_id=key["AccessKeyId"],
+                  aws_secret_access_key=key["SecretAccessKey"], **kw)
+s3.create_bucket(Bucket="{bucket}")
+print(key["AccessKeyId"], key["SecretAccessKey"])
+"#
+    );
+    let out = Command::new(&python)
+        .args(["-c", &script])
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", python.display()));
+    assert!(
+        out.status.success(),
+        "S3 set-up failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut words = text.split_whitespace();
+    let (access_key, secret_key) = (
+        words.next().unwrap().to_owned(),
+        words.next().unwrap().to_owned(),
+    );
+    S3Server {
+        proc,
+        port,
+        access_key,
+        secret_key,
+    }
 }
