@@ -211,6 +211,33 @@ fn stage(client: &Client, keys: &[u64]) -> Vec<Slot> {
         .collect()
 }
 
+/// Onboards the chain `keys` (6 blocks) into zeroed slots shifted by `shift`, expecting 4
+/// from host memory and 2 from the remote store, and checks the bytes.
+async fn onboard_two_remote_four_host(c: &mut Client, keys: &[u64], shift: u64) {
+    for i in 0..8 {
+        c.segment()
+            .write(i * BLOCK, &vec![0; BLOCK as usize])
+            .unwrap();
+    }
+    let into: Vec<Slot> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| Slot {
+            key: *k,
+            offset: (i as u64 + shift) % 8 * BLOCK,
+        })
+        .collect();
+    let got = c.onboard(into.clone()).await.unwrap();
+    let want = Onboarded {
+        blocks: 6,
+        host: 4,
+        disk: 0,
+        remote: 2,
+    };
+    assert_eq!(got, want);
+    assert_intact(c, &into);
+}
+
 async fn metrics(port: u16) -> String {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -313,30 +340,7 @@ async fn offload_demote_onboard_publish_and_snapshot() {
     assert_eq!(resident, want);
 
     // Onboard into fresh slots: 11 and 12 come back from Redis, the rest from host memory.
-    for i in 0..8 {
-        c.segment()
-            .write(i * BLOCK, &vec![0; BLOCK as usize])
-            .unwrap();
-    }
-    let into: Vec<Slot> = keys
-        .iter()
-        .enumerate()
-        .map(|(i, k)| Slot {
-            key: *k,
-            offset: (i as u64 + 2) % 8 * BLOCK,
-        })
-        .collect();
-    let got = c.onboard(into.clone()).await.unwrap();
-    assert_eq!(
-        got,
-        Onboarded {
-            blocks: 6,
-            host: 4,
-            disk: 0,
-            remote: 2
-        }
-    );
-    assert_intact(&c, &into);
+    onboard_two_remote_four_host(&mut c, &keys, 2).await;
     // A chain that starts with an unknown block onboards nothing.
     let unknown = vec![Slot { key: 99, offset: 0 }];
     assert_eq!(c.onboard(unknown).await.unwrap(), Onboarded::default());
@@ -737,30 +741,7 @@ async fn an_s3_bucket_keeps_demoted_blocks_and_serves_them_back() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // Onboard into fresh slots: 21 and 22 come back from S3, the rest from host memory.
-    for i in 0..8 {
-        c.segment()
-            .write(i * BLOCK, &vec![0; BLOCK as usize])
-            .unwrap();
-    }
-    let into: Vec<Slot> = keys
-        .iter()
-        .enumerate()
-        .map(|(i, k)| Slot {
-            key: *k,
-            offset: (i as u64 + 3) % 8 * BLOCK,
-        })
-        .collect();
-    let got = c.onboard(into.clone()).await.unwrap();
-    assert_eq!(
-        got,
-        Onboarded {
-            blocks: 6,
-            host: 4,
-            disk: 0,
-            remote: 2
-        }
-    );
-    assert_intact(&c, &into);
+    onboard_two_remote_four_host(&mut c, &keys, 3).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
