@@ -76,6 +76,7 @@ impl cli_support::ExitStatus for AppError {
             | AppError::Remote(
                 RemoteError::Url(_) | RemoteError::Tls(_) | RemoteError::Credentials(_),
             )
+            | AppError::Remote(RemoteError::Status { .. })
             | AppError::Disk(DiskError::Locked { .. }) => cli_support::EXIT_CONFIG,
             _ => 1,
         }
@@ -189,6 +190,8 @@ async fn serve(args: Args) -> Result<(), AppError> {
             remote.prepare_tls()?;
             match remote.ping().await {
                 Ok(()) => tracing::info!(remote = %remote.address(), "remote store reachable"),
+                // A wrong bucket, region, key or permission fails every request: say so now.
+                Err(e) if e.is_config_refusal() => return Err(e.into()),
                 Err(e) => tracing::warn!(
                     remote = %remote.address(), error = %e,
                     "remote store unreachable now (or the bucket is missing or refused); \

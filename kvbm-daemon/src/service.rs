@@ -141,6 +141,28 @@ impl WriteQueue {
     }
 }
 
+/// Why a lower-tier read failed.
+#[derive(Debug)]
+struct ReadError {
+    /// The metric label of its class.
+    kind: &'static str,
+    /// For the log.
+    message: String,
+    /// Whether a later read may succeed (the block then stays indexed).
+    transient: bool,
+}
+
+impl ReadError {
+    /// An error that will not pass.
+    fn lasting(kind: &'static str, message: String) -> Self {
+        Self {
+            kind,
+            message,
+            transient: false,
+        }
+    }
+}
+
 /// The lower tiers' back ends (each absent when its tier is disabled).
 #[derive(Debug, Default, Clone)]
 pub struct Backends {
@@ -304,7 +326,7 @@ impl Service {
         }
         if self.backends.remote.is_some() && layout.block_bytes > MAX_REMOTE_BLOCK_BYTES {
             return Err(StoreError::Layout(crate::store::LayoutError::Invalid(
-                "blocks above 512 MiB do not fit the remote tier (Redis's bulk limit)",
+                "blocks above 512 MiB do not fit the remote tier",
             ))
             .into());
         }
@@ -421,14 +443,14 @@ impl Service {
             };
             let read = match result {
                 Ok(data) => data.filter(|d| d.len() as u64 == block_bytes),
-                Err((kind, message)) => {
+                Err(e) => {
                     let label = tier_label(tier);
-                    self.metrics.tier_error(label, "read", kind);
-                    tracing::warn!(tier = label, error = %message, "lower-tier read failed");
+                    self.metrics.tier_error(label, "read", e.kind);
+                    tracing::warn!(tier = label, error = %e.message, "lower-tier read failed");
                     // A remote timeout may pass: the block stays indexed. A file that cannot
-                    // be read is treated as gone, or a hot unreadable block would stay
-                    // claimed for ever.
-                    if tier != Tier::Disk {
+                    // be read, or an object the store refuses or returns damaged, is treated
+                    // as gone, or a hot unreadable block would stay claimed for ever.
+                    if e.transient {
                         break;
                     }
                     None
@@ -482,19 +504,14 @@ impl Service {
     }
 
     /// A started disk read's outcome.
-    async fn disk_result(read: DiskRead) -> Result<Option<Bytes>, (&'static str, String)> {
+    async fn disk_result(read: DiskRead) -> Result<Option<Bytes>, ReadError> {
         read.await
-            .map_err(|e| ("io", e.to_string()))?
-            .map_err(|e: DiskError| (e.metric_label(), e.to_string()))
+            .map_err(|e| ReadError::lasting("io", e.to_string()))?
+            .map_err(|e: DiskError| ReadError::lasting(e.metric_label(), e.to_string()))
     }
 
     /// A block's bytes from a lower tier: its write queue first, then the back end.
-    async fn read(
-        &self,
-        tier: Tier,
-        name: String,
-        len: u64,
-    ) -> Result<Option<Bytes>, (&'static str, String)> {
+    async fn read(&self, tier: Tier, name: String, len: u64) -> Result<Option<Bytes>, ReadError> {
         let queued = self.queue(tier).and_then(|q| q.queued(&name));
         if queued.is_some() {
             return Ok(queued);
@@ -505,10 +522,11 @@ impl Service {
                 None => Ok(None),
             },
             _ => match &self.backends.remote {
-                Some(remote) => remote
-                    .get(&name)
-                    .await
-                    .map_err(|e| (e.metric_label(), e.to_string())),
+                Some(remote) => remote.get(&name, len).await.map_err(|e| ReadError {
+                    kind: e.metric_label(),
+                    message: e.to_string(),
+                    transient: e.is_transient(),
+                }),
                 None => Ok(None),
             },
         }
@@ -779,7 +797,7 @@ pub async fn remote_writer(
     while let Some(op) = rx.recv().await {
         match op {
             WriteOp::Put { id, name, data } => {
-                let r = remote.put(&name, &data).await;
+                let r = remote.put(&name, data).await;
                 service.put_done(Tier::Remote, &name);
                 let error = r.err().map(|e| (e.metric_label(), e.to_string()));
                 write_finished(&service, Tier::Remote, "write", Some((id, name)), error);
@@ -1073,6 +1091,129 @@ mod tests {
         assert_eq!(
             s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().0,
             Lookup { host: 1, any: 1 }
+        );
+    }
+
+    /// An S3-speaking responder on loopback: `PUT`s succeed; a `GET` answers 503 while
+    /// `busy` is set, else the block's bytes with a wrong stored SHA-256 (a damaged object).
+    async fn damaging_s3(busy: Arc<std::sync::atomic::AtomicBool>) -> u16 {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let busy = Arc::clone(&busy);
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    loop {
+                        let head_end = loop {
+                            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                                break i + 4;
+                            }
+                            let mut chunk = vec![0; 1 << 16];
+                            match conn.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        };
+                        let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length: "))
+                            .map_or(0, |v| v.trim().parse().unwrap());
+                        while buf.len() < head_end + len {
+                            let mut chunk = vec![0; 1 << 16];
+                            match conn.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        buf.drain(..head_end + len);
+                        let response = if head.starts_with("put ") {
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n".to_vec()
+                        } else if busy.load(Ordering::SeqCst) {
+                            b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n"
+                                .to_vec()
+                        } else {
+                            let mut r = format!(
+                                "HTTP/1.1 200 OK\r\ncontent-length: {B}\r\n\
+                                 x-amz-meta-kvgate-sha256: {}\r\n\r\n",
+                                "0".repeat(64)
+                            )
+                            .into_bytes();
+                            r.extend(std::iter::repeat_n(1u8, B as usize));
+                            r
+                        };
+                        if conn.write_all(&response).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        port
+    }
+
+    #[tokio::test]
+    async fn a_remote_block_read_back_busy_stays_and_one_read_back_damaged_is_forgotten() {
+        use crate::remote::s3::{Addressing, S3, S3Config, S3Options};
+        let busy = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let port = damaging_s3(Arc::clone(&busy)).await;
+        let options = S3Options {
+            endpoint: Some(format!("http://127.0.0.1:{port}")),
+            region: "us-east-1".into(),
+            addressing: Addressing::Path,
+        };
+        let credentials = crate::remote::sigv4::Credentials {
+            access_key_id: "AK".into(),
+            secret_access_key: "SK".into(),
+            session_token: None,
+        };
+        let config = S3Config::from_url(
+            "s3://kvgate",
+            &options,
+            credentials,
+            Duration::from_secs(2),
+            1 << 20,
+        )
+        .unwrap();
+        let remote = Arc::new(Remote::S3(S3::new(config)));
+        let backends = Backends {
+            disk: None,
+            remote: Some(Arc::clone(&remote)),
+        };
+        let (mut parts, l) = start(0, backends, 1 << 20);
+        let s = Arc::clone(&parts.service);
+        tokio::spawn(remote_writer(
+            Arc::clone(&s),
+            remote,
+            parts.remote.take().unwrap(),
+        ));
+        // Block 1 is demoted and written to the bucket.
+        s.offload(l, None, &blocks(&[1, 2, 3])).unwrap();
+        drained(&s).await;
+        let indexed = |s: &Service| s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().0.any;
+        // The store is busy (503): the read fails, the block stays indexed for a later try.
+        assert!(s.onboard(l, &[BlockKey(1)]).await.unwrap().is_empty());
+        assert_eq!(indexed(&s), 1);
+        assert_eq!(s.with_store(|st| st.counters().remote.lost), 0);
+        // The object comes back damaged: the block is forgotten (a Removed, and a delete).
+        busy.store(false, Ordering::SeqCst);
+        assert!(s.onboard(l, &[BlockKey(1)]).await.unwrap().is_empty());
+        assert_eq!(indexed(&s), 0);
+        assert_eq!(s.with_store(|st| st.counters().remote.lost), 1);
+        let text = s.with_store(|st| s.metrics().render(st, s.queued_bytes()));
+        assert!(
+            text.contains(
+                r#"kvgate_kvbm_tier_errors_total{tier="remote",op="read",kind="status"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"kvgate_kvbm_tier_errors_total{tier="remote",op="read",kind="integrity"} 1"#
+            ),
+            "{text}"
         );
     }
 

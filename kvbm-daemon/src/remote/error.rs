@@ -42,7 +42,7 @@ pub enum RemoteError {
     #[error("S3 HTTP: {0}")]
     Http(String),
     /// S3 answered with an error status.
-    #[error("S3 refused {op}: HTTP {status} {code}")]
+    #[error("S3 refused {op}: HTTP {status} {code}{detail}")]
     Status {
         /// The operation (`PUT`, `GET`, `DELETE`, `HEAD`).
         op: &'static str,
@@ -50,7 +50,12 @@ pub enum RemoteError {
         status: u16,
         /// S3's error code (`AccessDenied`, `NoSuchBucket`, …) when its body carried one.
         code: String,
+        /// More for the operator (the bucket's region after a wrong-region refusal), or empty.
+        detail: String,
     },
+    /// S3: an object whose body does not match the SHA-256 stored with it, or that has none.
+    #[error("S3 object damaged: {0}")]
+    Integrity(String),
     /// S3: an object larger than the largest block the tier takes.
     #[error("S3 {op}: the object is larger than {limit} bytes")]
     TooLarge {
@@ -79,6 +84,37 @@ impl RemoteError {
             Self::Status { .. } => "status",
             Self::TooLarge { .. } => "too_large",
             Self::Credentials(_) => "credentials",
+            Self::Integrity(_) => "integrity",
         }
+    }
+}
+
+impl RemoteError {
+    /// Whether trying again later may succeed: the store was slow, away or busy. Anything else
+    /// (a refusal, a damaged or oversized object, a broken protocol) will fail again, so a
+    /// block whose read fails so is forgotten rather than kept indexed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Io(_)
+            | Self::Timeout(_)
+            | Self::Http(_)
+            | Self::Tls(_)
+            | Self::Refused { .. } => true,
+            Self::Status { status, code, .. } => {
+                *status >= 500 || *status == 429 || *status == 408 || code == "SlowDown"
+            }
+            Self::Url(_)
+            | Self::Protocol(_)
+            | Self::Unexpected { .. }
+            | Self::TooLarge { .. }
+            | Self::Credentials(_)
+            | Self::Integrity(_) => false,
+        }
+    }
+
+    /// Whether the store refused the daemon's configuration outright (a wrong bucket, region,
+    /// key or permission): at start, that is a configuration error.
+    pub fn is_config_refusal(&self) -> bool {
+        matches!(self, Self::Status { status, .. } if (300..500).contains(status) && !self.is_transient())
     }
 }

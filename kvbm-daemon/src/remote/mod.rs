@@ -69,18 +69,22 @@ impl Remote {
     }
 
     /// Stores `value` under `name`.
-    pub async fn put(&self, name: &str, value: &[u8]) -> Result<(), RemoteError> {
+    pub async fn put(&self, name: &str, value: Bytes) -> Result<(), RemoteError> {
         match self {
-            Self::Redis(r) => r.put(name.as_bytes(), value).await,
+            Self::Redis(r) => r.put(name.as_bytes(), &value).await,
             Self::S3(s) => s.put(name, value).await,
         }
     }
 
-    /// The value under `name`; `None` when the store does not have it.
-    pub async fn get(&self, name: &str) -> Result<Option<Bytes>, RemoteError> {
+    /// The value under `name`, expected to be `len` bytes (S3 reads no more; Redis reads up to
+    /// its configured bound); `None` when the store does not have it.
+    pub async fn get(&self, name: &str, len: u64) -> Result<Option<Bytes>, RemoteError> {
         match self {
             Self::Redis(r) => r.get(name.as_bytes()).await,
-            Self::S3(s) => s.get(name).await,
+            Self::S3(s) => {
+                let limit = usize::try_from(len).unwrap_or(usize::MAX);
+                s.get(name, limit).await
+            }
         }
     }
 

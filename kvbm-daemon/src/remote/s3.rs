@@ -13,7 +13,7 @@
 //! body altered in flight is refused even over plain HTTP.
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, Limited};
@@ -30,8 +30,18 @@ use super::sigv4::{self, Credentials};
 
 /// Idle keep-alive connections kept for reuse.
 const MAX_IDLE: usize = 8;
-/// The most of an error response's body read for its `<Code>`.
-const MAX_ERROR_BODY: usize = 16 << 10;
+/// An idle connection older than this is closed rather than reused: servers and middleboxes
+/// drop idle connections (S3 after about 20 s), and a silently dropped one costs a request its
+/// whole deadline.
+const MAX_IDLE_AGE: Duration = Duration::from_secs(15);
+/// The most of an error response's body read for its `<Code>` (the rest is cut off), and of
+/// a successful `PUT`'s, `DELETE`'s or `HEAD`'s body.
+const MAX_SMALL_BODY: usize = 16 << 10;
+/// Bodies hashed on the blocking pool rather than on the runtime's worker.
+const HASH_INLINE_MAX: usize = 256 << 10;
+/// The user-metadata header carrying a block's SHA-256, set at `PUT` and checked at `GET`: a
+/// body altered in the store or on the way back reads as a damaged block.
+const SHA256_HEADER: &str = "x-amz-meta-kvgate-sha256";
 /// The longest object-key prefix (S3 keys are at most 1,024 bytes; a block's name takes 33).
 const MAX_PREFIX: usize = 512;
 
@@ -138,8 +148,14 @@ impl S3Config {
             ),
         };
         // A dotted bucket name under a wildcard certificate fails verification: path-style.
+        let ip_host = host.parse::<std::net::IpAddr>().is_ok();
         let path_style = match options.addressing {
             Addressing::Path => true,
+            Addressing::Virtual if ip_host => {
+                return Err(RemoteError::Url(format!(
+                    "--s3-addressing virtual needs a host name, not the address {host}"
+                )));
+            }
             Addressing::Virtual => false,
             Addressing::Auto => !aws || bucket.contains('.'),
         };
@@ -285,7 +301,8 @@ fn parse_endpoint(endpoint: &str) -> Result<(bool, String, u16), String> {
 /// An S3 client for the remote tier.
 pub struct S3 {
     config: S3Config,
-    idle: std::sync::Mutex<Vec<SendRequest<Full<Bytes>>>>,
+    /// Idle keep-alive connections and when each went idle.
+    idle: std::sync::Mutex<Vec<(SendRequest<Full<Bytes>>, Instant)>>,
     /// The TLS connector, built once (by [`S3::prepare_tls`] or the first connect).
     tls: std::sync::OnceLock<(TlsConnector, ServerName<'static>)>,
 }
@@ -299,9 +316,12 @@ impl std::fmt::Debug for S3 {
     }
 }
 
-/// A response: status and (bounded) body.
+/// A response: status, the stored SHA-256 (if any) and the (bounded) body.
 struct Response {
     status: StatusCode,
+    sha256: Option<String>,
+    /// `x-amz-bucket-region`, which S3 sends with a wrong-region refusal.
+    bucket_region: Option<String>,
     body: Bytes,
 }
 
@@ -359,70 +379,93 @@ impl S3 {
 
     /// `HEAD` of the bucket: it exists and the credentials may use it.
     pub async fn ping(&self) -> Result<(), RemoteError> {
-        let r = self.send(Method::HEAD, None, Bytes::new(), 0).await?;
+        let r = self.send(Method::HEAD, None, Body::empty(), 0).await?;
         match r.status {
             StatusCode::OK => Ok(()),
-            status => Err(status_error("HEAD", status, &r.body)),
+            status => Err(status_error("HEAD", status, &r)),
         }
     }
 
-    /// `PUT` of the object `key`.
-    pub async fn put(&self, key: &str, value: &[u8]) -> Result<(), RemoteError> {
-        let body = Bytes::copy_from_slice(value);
+    /// `PUT` of the object `key`, its SHA-256 signed and stored as metadata.
+    pub async fn put(&self, key: &str, value: Bytes) -> Result<(), RemoteError> {
+        let body = Body::of(value).await?;
         let r = self.send(Method::PUT, Some(key), body, 0).await?;
         match r.status {
             StatusCode::OK => Ok(()),
-            status => Err(status_error("PUT", status, &r.body)),
+            status => Err(status_error("PUT", status, &r)),
         }
     }
 
-    /// `GET` of the object `key`: `None` when the bucket does not have it.
-    pub async fn get(&self, key: &str) -> Result<Option<Bytes>, RemoteError> {
-        let limit = self.config.max_value_bytes;
+    /// `GET` of the object `key`, at most `limit` bytes (the block's size): `None` when the
+    /// bucket does not have it. The body must match the SHA-256 stored with it.
+    pub async fn get(&self, key: &str, limit: usize) -> Result<Option<Bytes>, RemoteError> {
+        let limit = limit.min(self.config.max_value_bytes);
         let r = self
-            .send(Method::GET, Some(key), Bytes::new(), limit)
+            .send(Method::GET, Some(key), Body::empty(), limit)
             .await?;
         match r.status {
-            StatusCode::OK => Ok(Some(r.body)),
-            StatusCode::NOT_FOUND => Ok(None),
-            status => Err(status_error("GET", status, &r.body)),
+            StatusCode::OK => {
+                let Some(stored) = r.sha256 else {
+                    return Err(RemoteError::Integrity(format!(
+                        "{key} has no {SHA256_HEADER} (not written by kvgate-kvbm)"
+                    )));
+                };
+                let body = r.body;
+                let actual = hash(body.clone()).await?;
+                if !stored.eq_ignore_ascii_case(&actual) {
+                    return Err(RemoteError::Integrity(format!(
+                        "{key}: the body's SHA-256 is {actual}, stored {stored}"
+                    )));
+                }
+                Ok(Some(body))
+            }
+            StatusCode::NOT_FOUND if no_such_key(&r.body) => Ok(None),
+            status => Err(status_error("GET", status, &r)),
         }
     }
 
     /// `DELETE` of the object `key` (one that is not there is deleted already).
     pub async fn delete(&self, key: &str) -> Result<(), RemoteError> {
         let r = self
-            .send(Method::DELETE, Some(key), Bytes::new(), 0)
+            .send(Method::DELETE, Some(key), Body::empty(), 0)
             .await?;
         match r.status {
-            StatusCode::OK | StatusCode::NO_CONTENT | StatusCode::NOT_FOUND => Ok(()),
-            status => Err(status_error("DELETE", status, &r.body)),
+            StatusCode::OK | StatusCode::NO_CONTENT => Ok(()),
+            StatusCode::NOT_FOUND if no_such_key(&r.body) => Ok(()),
+            status => Err(status_error("DELETE", status, &r)),
         }
     }
 
-    /// One signed request under the deadline; `limit` bounds a successful response's body.
-    /// A keep-alive connection the server closed meanwhile fails before anything was sent:
-    /// the request then goes once more, on a new connection (every operation here is
-    /// idempotent).
+    /// One signed request under the deadline; `limit` bounds a successful `GET`'s body.
+    /// A keep-alive connection the server closed meanwhile fails before the request is
+    /// written: it then goes once more, on a new connection. A request that was written is
+    /// never sent again.
     async fn send(
         &self,
         method: Method,
         key: Option<&str>,
-        body: Bytes,
+        body: Body,
         limit: usize,
     ) -> Result<Response, RemoteError> {
         let timeout = self.config.timeout;
+        let limit = if method == Method::GET {
+            limit
+        } else {
+            MAX_SMALL_BODY
+        };
         tokio::time::timeout(timeout, async {
             let (sender, reused) = self.sender().await?;
-            let request = self.request(&method, key, body.clone())?;
+            let request = self.request(&method, key, &body)?;
             match self.exchange(sender, request, limit).await {
-                Err(RemoteError::Http(why)) if reused => {
+                Err(Exchange::Unsent(why)) if reused => {
                     tracing::debug!(error = %why, "S3 keep-alive connection lost; retrying");
                     let sender = self.connect().await?;
-                    let request = self.request(&method, key, body)?;
-                    self.exchange(sender, request, limit).await
+                    let request = self.request(&method, key, &body)?;
+                    self.exchange(sender, request, limit)
+                        .await
+                        .map_err(Exchange::into_error)
                 }
-                result => result,
+                result => result.map_err(Exchange::into_error),
             }
         })
         .await
@@ -436,35 +479,51 @@ impl S3 {
         mut sender: SendRequest<Full<Bytes>>,
         request: Request<Full<Bytes>>,
         limit: usize,
-    ) -> Result<Response, RemoteError> {
+    ) -> Result<Response, Exchange> {
         let op = op_name(request.method());
-        sender
-            .ready()
-            .await
-            .map_err(|e| RemoteError::Http(format!("{op}: connection: {e}")))?;
-        let response = sender
-            .send_request(request)
-            .await
-            .map_err(|e| RemoteError::Http(format!("{op}: {e}")))?;
-        let status = response.status();
-        let limit = if status.is_success() {
-            limit
-        } else {
-            MAX_ERROR_BODY
-        };
-        let body = Limited::new(response.into_body(), limit)
-            .collect()
-            .await
-            .map_err(|e| {
-                if e.is::<http_body_util::LengthLimitError>() {
-                    RemoteError::TooLarge { op, limit }
+        if let Err(e) = sender.ready().await {
+            return Err(Exchange::Unsent(format!("{op}: connection: {e}")));
+        }
+        let response = match sender.try_send_request(request).await {
+            Ok(response) => response,
+            Err(mut e) => {
+                let why = format!("{op}: {}", e.error());
+                return Err(if e.take_message().is_some() {
+                    Exchange::Unsent(why)
                 } else {
-                    RemoteError::Http(format!("{op}: reading the body: {e}"))
-                }
-            })?
-            .to_bytes();
-        self.release(sender);
-        Ok(Response { status, body })
+                    Exchange::Failed(RemoteError::Http(why))
+                });
+            }
+        };
+        let status = response.status();
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let sha256 = header(SHA256_HEADER);
+        let bucket_region = header("x-amz-bucket-region");
+        let (body, whole) = if status.is_success() {
+            let body = read_body(response.into_body(), limit, op)
+                .await
+                .map_err(Exchange::Failed)?;
+            (body, true)
+        } else {
+            // An error's body is read for its code only: a long one is cut off.
+            read_prefix(response.into_body(), MAX_SMALL_BODY).await
+        };
+        // A connection with a response left unread is not reused (dropping it closes it).
+        if whole {
+            self.release(sender);
+        }
+        Ok(Response {
+            status,
+            sha256,
+            bucket_region,
+            body,
+        })
     }
 
     /// The signed request.
@@ -472,19 +531,20 @@ impl S3 {
         &self,
         method: &Method,
         key: Option<&str>,
-        body: Bytes,
+        body: &Body,
     ) -> Result<Request<Full<Bytes>>, RemoteError> {
         let host = self.config.host_header();
         let path = self.config.path(key);
-        let payload = sigv4::sha256_hex(&body);
+        let put = *method == Method::PUT;
+        let meta = [(SHA256_HEADER, body.sha256.as_str())];
         let signed = sigv4::sign(
             &sigv4::Request {
                 method: method.as_str(),
                 host: &host,
                 path: &path,
                 query: &[],
-                headers: &[],
-                payload_sha256: &payload,
+                headers: if put { &meta } else { &[] },
+                payload_sha256: &body.sha256,
             },
             &self.config.credentials,
             &self.config.region,
@@ -500,11 +560,13 @@ impl S3 {
         if let Some(token) = signed.security_token {
             builder = builder.header("x-amz-security-token", token);
         }
-        if *method == Method::PUT {
-            builder = builder.header(hyper::header::CONTENT_LENGTH, body.len());
+        if put {
+            builder = builder
+                .header(hyper::header::CONTENT_LENGTH, body.bytes.len())
+                .header(SHA256_HEADER, body.sha256.as_str());
         }
         builder
-            .body(Full::new(body))
+            .body(Full::new(body.bytes.clone()))
             .map_err(|e| RemoteError::Http(format!("building the request: {e}")))
     }
 
@@ -513,7 +575,10 @@ impl S3 {
         loop {
             let idle = self.idle.lock().ok().and_then(|mut idle| idle.pop());
             match idle {
-                Some(sender) if !sender.is_closed() => return Ok((sender, true)),
+                Some((sender, since)) if !sender.is_closed() && since.elapsed() < MAX_IDLE_AGE => {
+                    return Ok((sender, true));
+                }
+                // Closed, or idle too long: dropping it closes it.
                 Some(_) => {}
                 None => return Ok((self.connect().await?, false)),
             }
@@ -525,10 +590,12 @@ impl S3 {
         if sender.is_closed() {
             return;
         }
-        if let Ok(mut idle) = self.idle.lock()
-            && idle.len() < MAX_IDLE
-        {
-            idle.push(sender);
+        if let Ok(mut idle) = self.idle.lock() {
+            // The oldest are the likeliest to be dropped by the other end.
+            idle.retain(|(_, since)| since.elapsed() < MAX_IDLE_AGE);
+            if idle.len() < MAX_IDLE {
+                idle.push((sender, Instant::now()));
+            }
         }
     }
 
@@ -579,17 +646,120 @@ fn op_name(method: &Method) -> &'static str {
     }
 }
 
-/// An error status with S3's `<Code>` from the body, when it has one.
-fn status_error(op: &'static str, status: StatusCode, body: &[u8]) -> RemoteError {
+/// An error status with S3's `<Code>` from the body, when it has one, and the bucket's region
+/// when S3 says the request went to the wrong one.
+fn status_error(op: &'static str, status: StatusCode, r: &Response) -> RemoteError {
+    let detail = match &r.bucket_region {
+        Some(region) if region.len() <= 64 && !region.chars().any(char::is_control) => {
+            format!(" (the bucket is in {region}: set --s3-region {region})")
+        }
+        _ => String::new(),
+    };
     RemoteError::Status {
         op,
         status: status.as_u16(),
-        code: error_code(body).unwrap_or_else(|| {
+        code: error_code(&r.body).unwrap_or_else(|| {
             status
                 .canonical_reason()
                 .unwrap_or("unknown status")
                 .to_owned()
         }),
+        detail,
+    }
+}
+
+/// Whether a 404's body says the key is missing (not the bucket). A 404 without a code (as to
+/// a `HEAD`) counts as a missing key.
+fn no_such_key(body: &[u8]) -> bool {
+    error_code(body).is_none_or(|code| code == "NoSuchKey")
+}
+
+/// What went wrong in one exchange.
+enum Exchange {
+    /// The request was not written (the connection had closed): it may be sent again.
+    Unsent(String),
+    /// Anything else.
+    Failed(RemoteError),
+}
+
+impl Exchange {
+    fn into_error(self) -> RemoteError {
+        match self {
+            Self::Unsent(why) => RemoteError::Http(why),
+            Self::Failed(e) => e,
+        }
+    }
+}
+
+/// A request body and its SHA-256.
+struct Body {
+    bytes: Bytes,
+    sha256: String,
+}
+
+impl Body {
+    fn empty() -> Self {
+        Self {
+            sha256: sigv4::sha256_hex(&[]),
+            bytes: Bytes::new(),
+        }
+    }
+
+    async fn of(bytes: Bytes) -> Result<Self, RemoteError> {
+        Ok(Self {
+            sha256: hash(bytes.clone()).await?,
+            bytes,
+        })
+    }
+}
+
+/// The hex SHA-256 of `bytes`, large ones hashed on the blocking pool (~1.2 ms per 2 MiB).
+async fn hash(bytes: Bytes) -> Result<String, RemoteError> {
+    if bytes.len() <= HASH_INLINE_MAX {
+        return Ok(sigv4::sha256_hex(&bytes));
+    }
+    tokio::task::spawn_blocking(move || sigv4::sha256_hex(&bytes))
+        .await
+        .map_err(|e| RemoteError::Http(format!("hashing the body: {e}")))
+}
+
+/// A successful response's body, at most `limit` bytes.
+async fn read_body(
+    body: hyper::body::Incoming,
+    limit: usize,
+    op: &'static str,
+) -> Result<Bytes, RemoteError> {
+    Limited::new(body, limit)
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                RemoteError::TooLarge { op, limit }
+            } else {
+                RemoteError::Http(format!("{op}: reading the body: {e}"))
+            }
+        })
+}
+
+/// The first `limit` bytes of a body (what arrived of it, on an error), and whether that was
+/// all of it.
+async fn read_prefix(mut body: hyper::body::Incoming, limit: usize) -> (Bytes, bool) {
+    let mut out = Vec::new();
+    loop {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    let room = limit.saturating_sub(out.len());
+                    out.extend(data.iter().take(room));
+                    if data.len() > room {
+                        return (Bytes::from(out), false);
+                    }
+                }
+            }
+            None => return (Bytes::from(out), true),
+            Some(Err(_)) => return (Bytes::from(out), false),
+        }
     }
 }
 
@@ -697,10 +867,16 @@ mod tests {
         assert_eq!(minio.prefix, "");
         assert_eq!(minio.endpoint(), "http://minio.kvgate:9000");
 
-        let forced = config("s3://kv-cache", Some("https://[::1]"), Addressing::Virtual);
+        let forced = config(
+            "s3://kv-cache",
+            Some("https://s3.local"),
+            Addressing::Virtual,
+        );
         assert!(!forced.path_style);
         assert_eq!(forced.port, 443);
-        assert_eq!(forced.host, "::1");
+        assert_eq!(forced.host_header(), "kv-cache.s3.local");
+        let v6 = config("s3://kv-cache", Some("http://[::1]:9000"), Addressing::Auto);
+        assert_eq!(v6.host_header(), "[::1]:9000");
         let path = config("s3://kv-cache", None, Addressing::Path);
         assert_eq!(path.host_header(), "s3.eu-west-1.amazonaws.com");
     }
@@ -744,6 +920,11 @@ mod tests {
             let e = parse("s3://bucket", &opts(Some(endpoint), "us-east-1"));
             assert!(e.contains(why), "{endpoint}: {e}");
         }
+        let virtual_ip = S3Options {
+            addressing: Addressing::Virtual,
+            ..opts(Some("http://127.0.0.1:9000"), "us-east-1")
+        };
+        assert!(parse("s3://bucket", &virtual_ip).contains("host name"));
         assert!(parse("s3://bucket", &opts(None, "us east")).contains("region"));
         assert!(parse("s3://bucket", &opts(None, "")).contains("region"));
     }
@@ -811,8 +992,29 @@ mod tests {
         assert_eq!(error_code(body).as_deref(), Some("NoSuchBucket"));
         assert_eq!(error_code(b"<Code><script></Code>"), None);
         assert_eq!(error_code(b"not xml"), None);
-        let e = status_error("GET", StatusCode::FORBIDDEN, b"");
+        let response = |body: &'static [u8], region: Option<&str>| Response {
+            status: StatusCode::FORBIDDEN,
+            sha256: None,
+            bucket_region: region.map(str::to_owned),
+            body: Bytes::from_static(body),
+        };
+        let e = status_error("GET", StatusCode::FORBIDDEN, &response(b"", None));
         assert_eq!(e.to_string(), "S3 refused GET: HTTP 403 Forbidden");
         assert_eq!(e.metric_label(), "status");
+        let moved = status_error(
+            "HEAD",
+            StatusCode::MOVED_PERMANENTLY,
+            &response(b"", Some("eu-west-1")),
+        );
+        assert_eq!(
+            moved.to_string(),
+            "S3 refused HEAD: HTTP 301 Moved Permanently (the bucket is in eu-west-1: set \
+             --s3-region eu-west-1)"
+        );
+        assert!(moved.is_config_refusal() && !moved.is_transient());
+        // A 404 is a missing key unless S3 says the bucket is missing.
+        assert!(no_such_key(b""));
+        assert!(no_such_key(b"<Error><Code>NoSuchKey</Code></Error>"));
+        assert!(!no_such_key(b"<Error><Code>NoSuchBucket</Code></Error>"));
     }
 }
