@@ -27,6 +27,8 @@ echo "== local stack demo (kvgate-bench up)"
 e2e/stack_demo.sh --release
 bench="${CARGO_TARGET_DIR:-$root/target}/release/kvgate-bench"
 out=${KVGATE_MAIN_OUT:-/tmp/kvgate-main}
+# The shared inputs beside the checkout (or $KVGATE_SHARED, as for the tests).
+trace="${KVGATE_SHARED:-$root/../shared}/traces/mooncake_conversation_trace.jsonl"
 rm -rf "$out"; mkdir -p "$out"
 routers_venv=${KVGATE_ROUTERS_VENV:-$root/.routers-venv}
 if [ ! -x "$routers_venv/bin/smg" ] || [ ! -x "$routers_venv/bin/vllm-router" ]; then
@@ -50,13 +52,13 @@ echo "== discrete-event replay: seed 001's workload, every policy (plots in $out
   --request-latency-ms 200 --think-ms 3000 --out "$out/replay-doks.jsonl"
 "$bench" report --in "$out/replay-doks.jsonl" --out "$out/replay-doks" --warmup 60 > /dev/null
 echo "== discrete-event replay: the Mooncake hour on 16 engines at 3.15x (round-robin's p90 ~2 s)"
-"$bench" replay --workload mooncake --engines 16 --preset small \
+"$bench" replay --workload mooncake --trace "$trace" --engines 16 --preset small \
   --policy round-robin,kv,sglang-cache-aware --speedup 3.15 --out "$out/replay-mooncake-hour.jsonl"
 echo "== discrete-event replay: the Mooncake hour, 128 GiB of KV offloading per engine, at 3.25x (round-robin's p90 ~2 s)"
-"$bench" replay --workload mooncake --engines 16 --preset small --kv-offloading-gib 128 \
+"$bench" replay --workload mooncake --trace "$trace" --engines 16 --preset small --kv-offloading-gib 128 \
   --policy round-robin,kv --speedup 3.25 --out "$out/replay-mooncake-offload.jsonl"
 echo "== discrete-event replay: the Mooncake trace's first 10 minutes on 16 engines at 2.5x"
-"$bench" replay --workload mooncake --engines 16 --preset small --policy round-robin,kv,prefix-only \
+"$bench" replay --workload mooncake --trace "$trace" --engines 16 --preset small --policy round-robin,kv,prefix-only \
   --speedup 2.5 --trace-seconds 600 --out "$out/replay-mooncake.jsonl"
 if ! command -v wrk >/dev/null 2>&1; then
   echo "main: installing wrk for the simulator benchmark"
