@@ -86,12 +86,12 @@ pub struct Args {
     /// Deadline of one remote command, milliseconds.
     #[arg(long, default_value_t = 2000)]
     pub remote_timeout_ms: u64,
-    /// Remote puts queued at most; beyond it demotions to Redis are dropped and counted
+    /// Remote puts queued at most; beyond it demotions to the remote store are dropped and counted
     /// (deletes are never dropped).
     #[arg(long, default_value_t = 4096)]
     pub remote_queue: usize,
     /// Block bytes queued for the remote store at most (memory above `--host-bytes` while
-    /// Redis is slow or away); beyond it demotions are dropped and counted.
+    /// the remote store is slow or away); beyond it demotions are dropped and counted.
     #[arg(long, default_value_t = 1 << 30)]
     pub remote_queue_bytes: u64,
     /// NATS server.

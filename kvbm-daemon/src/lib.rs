@@ -13,7 +13,7 @@
 //! - [`service`]: the store and outbox under one mutex, the queued remote writes, onboard's
 //!   remote fetches;
 //! - edges: [`server`] (the Unix socket; [`fdpass`] and [`segment`] for the shared-memory
-//!   data path), [`remote`] (Redis), [`nats`] (envelopes, snapshots), metrics and health;
+//!   data path), [`remote`] (Redis or S3), [`nats`] (envelopes, snapshots), metrics and health;
 //! - [`client`]: the reference connector.
 //!
 //! `docs/kvbm.md` documents the protocol, flags, metrics and what is not in this build (the

@@ -255,7 +255,7 @@ impl Metrics {
             &mut e,
             "kvgate_kvbm_lost_blocks_total",
             Kind::Counter,
-            "Lower-tier blocks found gone (a missing file, a key Redis evicted) or whose write failed.",
+            "Lower-tier blocks found gone (a missing file, a key the store evicted, an object refused or damaged) or whose write failed.",
             &[("disk", d.lost as f64), ("remote", r.lost as f64)],
         );
         by_tier(

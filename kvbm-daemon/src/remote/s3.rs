@@ -379,7 +379,9 @@ impl S3 {
 
     /// `HEAD` of the bucket: it exists and the credentials may use it.
     pub async fn ping(&self) -> Result<(), RemoteError> {
-        let r = self.send(Method::HEAD, None, Body::empty(), 0).await?;
+        let r = self
+            .send(Method::HEAD, None, Body::empty(), MAX_SMALL_BODY)
+            .await?;
         match r.status {
             StatusCode::OK => Ok(()),
             status => Err(status_error("HEAD", status, &r)),
@@ -389,7 +391,9 @@ impl S3 {
     /// `PUT` of the object `key`, its SHA-256 signed and stored as metadata.
     pub async fn put(&self, key: &str, value: Bytes) -> Result<(), RemoteError> {
         let body = Body::of(value).await?;
-        let r = self.send(Method::PUT, Some(key), body, 0).await?;
+        let r = self
+            .send(Method::PUT, Some(key), body, MAX_SMALL_BODY)
+            .await?;
         match r.status {
             StatusCode::OK => Ok(()),
             status => Err(status_error("PUT", status, &r)),
@@ -427,7 +431,7 @@ impl S3 {
     /// `DELETE` of the object `key` (one that is not there is deleted already).
     pub async fn delete(&self, key: &str) -> Result<(), RemoteError> {
         let r = self
-            .send(Method::DELETE, Some(key), Body::empty(), 0)
+            .send(Method::DELETE, Some(key), Body::empty(), MAX_SMALL_BODY)
             .await?;
         match r.status {
             StatusCode::OK | StatusCode::NO_CONTENT => Ok(()),
@@ -436,7 +440,7 @@ impl S3 {
         }
     }
 
-    /// One signed request under the deadline; `limit` bounds a successful `GET`'s body.
+    /// One signed request under the deadline; `limit` bounds a successful response's body.
     /// A keep-alive connection the server closed meanwhile fails before the request is
     /// written: it then goes once more, on a new connection. A request that was written is
     /// never sent again.
@@ -448,11 +452,6 @@ impl S3 {
         limit: usize,
     ) -> Result<Response, RemoteError> {
         let timeout = self.config.timeout;
-        let limit = if method == Method::GET {
-            limit
-        } else {
-            MAX_SMALL_BODY
-        };
         tokio::time::timeout(timeout, async {
             let (sender, reused) = self.sender().await?;
             let request = self.request(&method, key, &body)?;
