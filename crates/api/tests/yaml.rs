@@ -242,6 +242,45 @@ fn resource_identities_match_upstream() {
     assert_eq!(crd.spec.scope, "Namespaced");
     let schema = serde_json::to_value(&crd.spec.versions[0].schema).unwrap();
     let spec = &schema["openAPIV3Schema"]["properties"]["spec"];
-    assert_eq!(spec["required"], serde_json::json!(["selector"]));
+    assert_eq!(
+        spec["required"],
+        serde_json::json!(["selector", "targetPorts"])
+    );
     assert!(spec["properties"]["targetPorts"].is_object());
+}
+
+/// A real API server refuses a CRD of a `*.k8s.io` group without upstream's approval
+/// annotation, and the read-only `Unknown` protocol must not become an allowed value.
+#[test]
+fn generated_crds_carry_upstream_approval_and_allowed_values_only() {
+    let v1 = pool::v1::InferencePool::crd();
+    let annotations = v1.metadata.annotations.clone().unwrap_or_default();
+    assert_eq!(
+        annotations
+            .get("api-approved.kubernetes.io")
+            .map(String::as_str),
+        Some(pool::v1::API_APPROVED)
+    );
+    let alpha = pool::v1alpha2::InferencePool::crd();
+    assert_eq!(
+        alpha
+            .metadata
+            .annotations
+            .unwrap_or_default()
+            .get("api-approved.kubernetes.io")
+            .map(String::as_str),
+        Some(pool::v1alpha2::API_APPROVED)
+    );
+    let schema = serde_json::to_value(&v1.spec.versions[0].schema).unwrap();
+    let spec = &schema["openAPIV3Schema"]["properties"]["spec"]["properties"];
+    assert_eq!(
+        spec["appProtocol"]["enum"],
+        serde_json::json!(["http", "kubernetes.io/h2c"])
+    );
+    assert_eq!(spec["appProtocol"]["default"], "http");
+    assert_eq!(spec["targetPorts"]["maxItems"], 8);
+    assert_eq!(
+        spec["endpointPickerRef"]["properties"]["failureMode"]["enum"],
+        serde_json::json!(["FailOpen", "FailClose"])
+    );
 }

@@ -10,7 +10,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::shared::Condition;
+use crate::shared::{Condition, GROUP_PATTERN, KIND_PATTERN};
 
 pub mod llm_d;
 pub mod x_k8s;
@@ -24,11 +24,14 @@ pub const GROUP_LLM_D: &str = "llm-d.ai";
 pub struct PoolObjectReference {
     /// Group; `inference.networking.k8s.io` when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253), regex(pattern = GROUP_PATTERN), extend("default" = "inference.networking.k8s.io"))]
     pub group: Option<String>,
     /// Kind; `InferencePool` when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63), regex(pattern = KIND_PATTERN), extend("default" = "InferencePool"))]
     pub kind: Option<String>,
     /// Name of the pool.
+    #[schemars(length(min = 1, max = 253))]
     pub name: String,
 }
 
@@ -49,6 +52,7 @@ impl PoolObjectReference {
 pub struct InferenceObjectiveStatus {
     /// `Accepted` (at most 8).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
 }
 

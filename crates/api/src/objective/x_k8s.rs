@@ -17,6 +17,8 @@ pub use super::InferenceObjectiveStatus;
 use super::PoolObjectReference;
 
 /// The objective's desired state.
+// Clippy reads the `printcolumn` entries' repeated keys as duplicated attributes.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "inference.networking.x-k8s.io",
@@ -25,7 +27,18 @@ use super::PoolObjectReference;
     plural = "inferenceobjectives",
     namespaced,
     status = "InferenceObjectiveStatus",
-    derive = "PartialEq"
+    derive = "PartialEq",
+    printcolumn(
+        name = "Inference Pool",
+        type_ = "string",
+        json_path = ".spec.poolRef.name"
+    ),
+    printcolumn(name = "Priority", type_ = "string", json_path = ".spec.priority"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase")]
 pub struct InferenceObjectiveSpec {

@@ -16,7 +16,13 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::shared::{Condition, FailureMode, ParentReference};
+use crate::shared::{
+    Condition, FailureMode, GROUP_PATTERN, KIND_PATTERN, LABEL_VALUE_PATTERN, ParentReference,
+};
+
+/// Upstream's `api-approved.kubernetes.io` value for its experimental group (not a protected
+/// group; the annotation only marks the API as experimental).
+pub const API_APPROVED: &str = "unapproved, experimental-only";
 
 /// The pool's desired state.
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -27,18 +33,28 @@ use crate::shared::{Condition, FailureMode, ParentReference};
     plural = "inferencepools",
     namespaced,
     status = "InferencePoolStatus",
-    derive = "PartialEq"
+    derive = "PartialEq",
+    annotation("api-approved.kubernetes.io", "unapproved, experimental-only")
 )]
 #[serde(rename_all = "camelCase")]
 pub struct InferencePoolSpec {
     /// Labels a model-server pod must all carry (same namespace).
+    #[schemars(with = "BTreeMap<String, LabelValue>")]
     pub selector: BTreeMap<String, String>,
     /// The one port the pods serve on.
+    #[schemars(range(min = 1, max = 65535))]
     pub target_port_number: i32,
-    /// The endpoint picker extension.
+    /// The endpoint picker extension (required by the API; read leniently).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(required)]
     pub extension_ref: Option<Extension>,
 }
+
+/// A label value as upstream validates it (schema only).
+#[derive(JsonSchema)]
+#[schemars(transparent)]
+#[allow(dead_code)]
+struct LabelValue(#[schemars(length(max = 63), regex(pattern = LABEL_VALUE_PATTERN))] String);
 
 /// The endpoint picker extension (`ExtensionReference` and `ExtensionConnection` inlined).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -46,17 +62,22 @@ pub struct InferencePoolSpec {
 pub struct Extension {
     /// API group of the referent; `""` (core) when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253), regex(pattern = GROUP_PATTERN), extend("default" = ""))]
     pub group: Option<String>,
     /// Kind of the referent; `Service` when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63), regex(pattern = KIND_PATTERN), extend("default" = "Service"))]
     pub kind: Option<String>,
     /// Name of the referent.
+    #[schemars(length(min = 1, max = 253))]
     pub name: String,
     /// The Service port; 9002 is implied when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
     pub port_number: Option<i32>,
     /// What the gateway does when the picker fails; `FailClose` when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = "FailClose"))]
     pub failure_mode: Option<FailureMode>,
 }
 
@@ -65,6 +86,7 @@ pub struct Extension {
 pub struct InferencePoolStatus {
     /// At most 32 parents.
     #[serde(default, rename = "parent", skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
     pub parents: Vec<PoolStatus>,
 }
 
@@ -76,5 +98,6 @@ pub struct PoolStatus {
     pub parent_ref: ParentReference,
     /// `Accepted`, `ResolvedRefs` (at most 8).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
 }
