@@ -1,0 +1,338 @@
+#!/usr/bin/env bash
+# Builds kvgate's container images without a Docker daemon, then checks each one.
+#
+#   scripts/images.sh [--only epp,sidecar,kvbm,sim] [--out DIR] [--skip-build]
+#
+# For each image: the distroless/cc-style Debian bookworm root made by images/rootfs.sh
+# (mmdebstrap, from Debian's packages; one root, the first layer of all four) and the release
+# binary (cargo build --release --locked), added as two layers to an OCI image layout by umoci, configured as images/Dockerfile configures
+# its targets (user 65532:65532, entrypoint, the Dockerfile's labels), and written as
+#   DIR/<name>/                  an OCI layout, tag <version>  (skopeo copy oci:DIR/<name>:<version> docker://…)
+#   DIR/<name>-<version>.tar     a docker-archive tagged <registry>/<name>:<version>  (docker load -i, kind load image-archive)
+# <registry> is ghcr.io/kvgate (KVGATE_IMAGE_REGISTRY), <version> the workspace's (Cargo.toml).
+# DIR defaults to $CARGO_TARGET_DIR/images, or target/images without it.
+#
+# The check unpacks each image (umoci unpack) and verifies its config (user, entrypoint,
+# labels), its files (no setuid/setgid file, no file capability, no shell, nothing writable
+# by others but /tmp, the CA bundle), and runs `<binary> --help` from the image's root the way
+# a kvgate pod runs it: as 65532:65532, no capabilities, no_new_privs, read-only root, the
+# image's environment, every symbol bound at load (LD_BIND_NOW). The block manager's image is
+# also started for real: remote tier over TLS (its CA roots must load), disk and socket on a
+# mounted tmpfs, a real nats-server; ready, then SIGTERM, exit 0.
+#
+# Needs root (mmdebstrap, umoci, mount namespaces): run as a user with sudo and the images
+# are made under sudo after cargo has built the binaries. Installs what it needs from Debian
+# (mmdebstrap umoci skopeo jq binutils libcap2-bin curl nats-server), idempotently.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+self="$root/scripts/images.sh"
+cd "$root"
+started=$SECONDS
+say() { printf 'images: %s\n' "$*" >&2; }
+die() { say "$*"; exit 1; }
+
+usage() {
+  sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$self"
+  cat <<'EOF'
+Options:
+  --only LIST    images to build, comma-separated: epp, sidecar, kvbm, sim (default: all four)
+  --out DIR      output directory (default: $CARGO_TARGET_DIR/images or target/images)
+  --skip-build   use the release binaries already built instead of running cargo
+  -h, --help     this text
+EOF
+}
+
+all=(epp sidecar kvbm sim)
+only=
+out=
+skip_build=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --only) [ $# -ge 2 ] || die "--only needs a list"; only=$2; shift 2 ;;
+    --only=*) only=${1#*=}; shift ;;
+    --out) [ $# -ge 2 ] || die "--out needs a directory"; out=$2; shift 2 ;;
+    --out=*) out=${1#*=}; shift ;;
+    --skip-build) skip_build=1; shift ;;
+    -h | --help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument: $1" ;;
+  esac
+done
+
+selected=()
+if [ -z "$only" ]; then
+  selected=("${all[@]}")
+else
+  IFS=, read -r -a wanted <<<"$only"
+  for w in "${wanted[@]}"; do
+    w=${w#kvgate-}
+    case " ${all[*]} " in *" $w "*) ;; *) die "unknown image '$w' (known: ${all[*]})" ;; esac
+    case " ${selected[*]} " in *" $w "*) ;; *) selected+=("$w") ;; esac
+  done
+  [ ${#selected[@]} -gt 0 ] || die "--only names no image"
+fi
+
+# The cargo package of each image's binary.
+declare -A package=([epp]=kvgate-epp [sidecar]=kvgate-sidecar [kvbm]=kvgate-kvbm [sim]=kvgate-e2e)
+
+version=$(awk '/^\[workspace\.package\]/ { s = 1; next } /^\[/ { s = 0 }
+  s && $1 == "version" { gsub(/"/, "", $3); print $3; exit }' Cargo.toml)
+[ -n "$version" ] || die "no version in Cargo.toml's [workspace.package]"
+registry=${KVGATE_IMAGE_REGISTRY:-ghcr.io/kvgate}
+target_dir=${CARGO_TARGET_DIR:-$root/target}
+out=${out:-$target_dir/images}
+dockerfile="$root/images/Dockerfile"
+
+# --- Release binaries (as the invoking user) ----------------------------------------------
+if [ "$skip_build" -eq 0 ]; then
+  command -v cargo >/dev/null || die "cargo is missing"
+  build=()
+  for c in "${selected[@]}"; do build+=(-p "${package[$c]}" --bin "kvgate-$c"); done
+  say "cargo build --release --locked ${build[*]}"
+  build_started=$SECONDS
+  cargo build --release --locked "${build[@]}"
+  say "release binaries built in $((SECONDS - build_started)) s"
+fi
+for c in "${selected[@]}"; do
+  [ -x "$target_dir/release/kvgate-$c" ] ||
+    die "$target_dir/release/kvgate-$c is missing (run without --skip-build)"
+done
+
+# Everything below needs root; a user with sudo goes on under sudo with the binaries built.
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || die "needs root for mmdebstrap, umoci and mount namespaces"
+  say "going on under sudo"
+  exec sudo --preserve-env=CARGO_TARGET_DIR,KVGATE_IMAGE_REGISTRY,KVGATE_DEBIAN_MIRROR,KVGATE_DEBIAN_SECURITY_MIRROR \
+    "$self" --skip-build --only "$(IFS=,; echo "${selected[*]}")" --out "$out"
+fi
+
+# --- Tools (Debian packages) --------------------------------------------------------------
+declare -A tool_package=([mmdebstrap]=mmdebstrap [umoci]=umoci [skopeo]=skopeo [jq]=jq
+  [objcopy]=binutils [getcap]=libcap2-bin [curl]=curl [unshare]=util-linux
+  [setpriv]=util-linux)
+case " ${selected[*]} " in *" kvbm "*) tool_package[nats-server]=nats-server ;; esac
+missing=()
+for tool in "${!tool_package[@]}"; do
+  command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] || missing+=("${tool_package[$tool]}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
+  say "installing Debian packages: ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+PATH=$PATH:/usr/sbin:/sbin
+
+revision=$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)
+if [ "$revision" != unknown ] && [ -n "$(git -C "$root" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+  say "the working tree has uncommitted changes: the label revision=$revision does not name all of it"
+fi
+created=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+arch=$(dpkg --print-architecture)
+
+mkdir -p "$out"
+work=$(mktemp -d "$out/.work.XXXXXX")
+# umoci unpack leaves read-only directories in test roots; chmod before removing.
+# shellcheck disable=SC2317 # called by the trap
+cleanup() { chmod -R u+w "$work" 2>/dev/null || true; rm -rf "$work"; }
+trap cleanup EXIT
+
+# The labels of a Dockerfile stage and of the stage it is built on (runtime-labels), with
+# the build arguments substituted: the images made here carry what `docker build` would put.
+# shellcheck disable=SC2016 # the Dockerfile's literal ${...}
+labels_of() {
+  local stage=$1 line key value
+  awk -v want="$stage" '/^FROM / { stage = $NF } stage == "runtime-labels" || stage == want' "$dockerfile" |
+    grep -o 'org\.opencontainers\.image\.[a-z.]*="[^"]*"' |
+    while IFS= read -r line; do
+      key=${line%%=*}
+      value=${line#*=\"}
+      value=${value%\"}
+      value=${value//'${VERSION}'/$version}
+      value=${value//'${REVISION}'/$revision}
+      value=${value//'${CREATED}'/$created}
+      printf '%s=%s\n' "$key" "$value"
+    done
+}
+
+# --- Runtime root -------------------------------------------------------------------------
+rootfs="$work/rootfs"
+"$root/images/rootfs.sh" "$rootfs"
+
+# --- Images -------------------------------------------------------------------------------
+build_image() {
+  local c=$1 name="kvgate-$1" layout="$out/kvgate-$1" stage="$work/bin-$1" label
+  local config=()
+  rm -rf "$layout" "$out/$name-$version.tar"
+  # The binary without its debug info (its symbols kept), as the Dockerfile's build stages.
+  install -d -m 0755 "$stage/usr/local/bin"
+  objcopy --strip-debug "$target_dir/release/$name" "$stage/usr/local/bin/$name"
+  chown -R 0:0 "$stage"
+  chmod 0755 "$stage/usr/local/bin/$name"
+  umoci init --layout "$layout"
+  umoci new --image "$layout:$version"
+  umoci insert --image "$layout:$version" --history.created_by "images/rootfs.sh" "$rootfs" /
+  umoci insert --image "$layout:$version" --history.created_by "$name release binary" "$stage" /
+  while IFS= read -r label; do config+=(--config.label "$label"); done < <(labels_of "$name")
+  [ ${#config[@]} -ge 16 ] || die "images/Dockerfile: too few labels for stage $name"
+  umoci config --image "$layout:$version" --os linux --architecture "$arch" \
+    --created "$created" --author kvgate --history.created_by "scripts/images.sh config" \
+    --config.user 65532:65532 --config.entrypoint "/usr/local/bin/$name" \
+    --config.env PATH=/usr/local/bin:/usr/bin:/bin --config.workingdir / "${config[@]}"
+  umoci gc --layout "$layout"
+  skopeo copy --quiet "oci:$layout:$version" \
+    "docker-archive:$out/$name-$version.tar:$registry/$name:$version"
+}
+
+# The digest of the image's manifest, its config and its size (bytes of the compressed
+# layers and config, what a pull downloads).
+manifest_digest() {
+  jq -r --arg v "$version" \
+    '.manifests[] | select(.annotations["org.opencontainers.image.ref.name"] == $v) | .digest' \
+    "$1/index.json"
+}
+blob() { local d=$2; printf '%s/blobs/%s/%s' "$1" "${d%%:*}" "${d#*:}"; }
+
+# Runs a command from an unpacked image's root as a kvgate pod does: uid/gid 65532, no
+# supplementary group, no capability, no_new_privs, the root read-only, /proc mounted, a fresh
+# PID namespace (the command is PID 1), the environment given and nothing else. With
+# SANDBOX_TMPFS=1 a tmpfs owned by 65532 is mounted on /tmp, as a pod's volume would be.
+sandbox() {
+  local r=$1
+  shift
+  mkdir -p "$r/proc" # the mount point, as the runtime creates it
+  # shellcheck disable=SC2016 # the inner script's variables are its own
+  env -i "${sandbox_env[@]}" SANDBOX_TMPFS="${SANDBOX_TMPFS:-0}" \
+    unshare --mount --pid --fork --kill-child --propagation private -- sh -euc '
+      r=$1; shift
+      mount --bind "$r" "$r"
+      mount -t proc proc "$r/proc"
+      if [ "$SANDBOX_TMPFS" = 1 ]; then
+        mount -t tmpfs -o uid=65532,gid=65532,mode=0700,size=64m tmpfs "$r/tmp"
+      fi
+      unset SANDBOX_TMPFS
+      mount -o remount,bind,ro "$r"
+      exec setpriv --no-new-privs unshare --root="$r" --wd=/ --setgid=65532 --setuid=65532 -- "$@"
+    ' sandbox "$r" "$@"
+}
+
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# The block manager, started for real from its image; see the header.
+kvbm_smoke() {
+  local r=$1 log=$2 nats_port metrics_port closed_port nats_pid kvbm_pid child next i rc
+  nats_port=$(free_port)
+  metrics_port=$(free_port)
+  closed_port=$(free_port) # nothing listens there: the remote tier is unreachable, not broken
+  nats-server -a 127.0.0.1 -p "$nats_port" >"$log.nats" 2>&1 &
+  nats_pid=$!
+  SANDBOX_TMPFS=1 sandbox "$r" "/usr/local/bin/kvgate-kvbm" \
+    --socket /tmp/run/kvbm.sock --disk-dir /tmp/disk --disk-bytes 16777216 \
+    --host-bytes 16777216 --remote-url "rediss://127.0.0.1:$closed_port" \
+    --nats-url "nats://127.0.0.1:$nats_port" --metrics-bind 127.0.0.1 \
+    --metrics-port "$metrics_port" --namespace images --node check --model check \
+    >"$log" 2>&1 &
+  kvbm_pid=$!
+  rc=1
+  for i in $(seq 1 100); do
+    if curl -fsS "http://127.0.0.1:$metrics_port/readyz" >/dev/null 2>&1; then rc=0; break; fi
+    kill -0 "$kvbm_pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  # The daemon is PID 1 of its namespace, the last of the chain subshell → unshare → daemon
+  # (the rest exec'd); it is the one to signal, as a kubelet would.
+  child=$kvbm_pid
+  while next=$(pgrep -P "$child" | head -n 1) && [ -n "$next" ]; do child=$next; done
+  if [ "$rc" -eq 0 ]; then
+    kill -TERM "$child"
+    for i in $(seq 1 100); do kill -0 "$kvbm_pid" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$kvbm_pid" 2>/dev/null; then
+      echo "images: still running 10 s after SIGTERM" >>"$log"; kill -KILL "$child"; rc=1
+    fi
+    wait "$kvbm_pid" || rc=$?
+  else
+    kill -KILL "$child" 2>/dev/null || true
+    wait "$kvbm_pid" || true
+    echo "images: /readyz never answered 200 ($i tries)" >>"$log"
+    rc=1
+  fi
+  kill "$nats_pid" 2>/dev/null || true
+  wait "$nats_pid" 2>/dev/null || true
+  [ "$rc" -eq 0 ] || return 1
+  grep -q 'remote store unreachable' "$log" || { echo "images: no remote-tier warning: the TLS set-up did not run" >>"$log"; return 1; }
+  grep -q 'disk tier ready' "$log" || { echo "images: the disk tier did not open" >>"$log"; return 1; }
+}
+
+# Every check of one image; prints what fails and returns non-zero if anything did.
+check_image() {
+  local c=$1 name="kvgate-$1" layout="$out/kvgate-$1" bundle="$work/check-$1" cfg fails=0 f
+  local help_out="$work/help-$1.txt"
+  fail() { say "$name: FAIL: $*"; fails=$((fails + 1)); }
+  umoci unpack --image "$layout:$version" "$bundle" >/dev/null
+  local r="$bundle/rootfs"
+  cfg=$(blob "$layout" "$(jq -r .config.digest "$(blob "$layout" "$(manifest_digest "$layout")")")")
+  [ "$(jq -r .config.User "$cfg")" = 65532:65532 ] || fail "config User is $(jq -r .config.User "$cfg")"
+  [ "$(jq -c .config.Entrypoint "$cfg")" = "[\"/usr/local/bin/$name\"]" ] ||
+    fail "config Entrypoint is $(jq -c .config.Entrypoint "$cfg")"
+  [ "$(jq -c .config.Cmd "$cfg")" = null ] || fail "config Cmd is $(jq -c .config.Cmd "$cfg")"
+  [ "$(jq -r '.config.Labels["org.opencontainers.image.title"]' "$cfg")" = "$name" ] || fail "label title"
+  [ "$(jq -r '.config.Labels["org.opencontainers.image.version"]' "$cfg")" = "$version" ] || fail "label version"
+  [ "$(jq -r '.config.Labels["org.opencontainers.image.revision"]' "$cfg")" = "$revision" ] || fail "label revision"
+  [ "$(jq -r '.os + "/" + .architecture' "$cfg")" = "linux/$arch" ] || fail "platform"
+
+  f=$(find "$r" -xdev -perm /6000 -printf '/%P ')
+  [ -z "$f" ] || fail "setuid/setgid files: $f"
+  f=$(getcap -r "$r" 2>/dev/null)
+  [ -z "$f" ] || fail "files with capabilities: $f"
+  f=$(find "$r" -xdev -perm -0002 ! -type l ! -path "$r/tmp" -printf '/%P ')
+  [ -z "$f" ] || fail "writable by others: $f"
+  f=$(find "$r" -xdev ! -type l \( ! -user 0 -o ! -group 0 \) ! -path "$r/home/nonroot" -printf '/%P ')
+  [ -z "$f" ] || fail "not owned by root: $f"
+  for f in bin/sh usr/bin/sh bin/bash usr/bin/bash bin/busybox usr/bin/busybox usr/bin/apt usr/bin/dpkg; do
+    [ ! -e "$r/$f" ] || fail "/$f is in the image"
+  done
+  [ "$(stat -c %a:%u:%g "$r/usr/local/bin/$name")" = 755:0:0 ] || fail "the binary is not 0755 root:root"
+  f=$(grep -c 'BEGIN CERTIFICATE' "$r/etc/ssl/certs/ca-certificates.crt" 2>/dev/null || true)
+  [ "${f:-0}" -ge 100 ] || fail "no CA bundle at /etc/ssl/certs/ca-certificates.crt (${f:-0} certificates)"
+  grep -qx 'nonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin' "$r/etc/passwd" || fail "no nonroot in /etc/passwd"
+
+  mapfile -t sandbox_env < <(jq -r '.config.Env[]' "$cfg")
+  sandbox_env+=(LD_BIND_NOW=1)
+  local rc=0
+  sandbox "$r" "/usr/local/bin/$name" --help >"$help_out" 2>&1 || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    fail "$name --help exited $rc: $(head -c 600 "$help_out")"
+  elif ! grep -q "^Usage: $name " "$help_out"; then
+    fail "$name --help printed no 'Usage: $name' line: $(head -c 600 "$help_out")"
+  fi
+  if [ "$c" = kvbm ]; then
+    kvbm_smoke "$r" "$work/kvbm-smoke.log" ||
+      fail "the daemon's start-up from the image: $(tail -n 20 "$work/kvbm-smoke.log")"
+  fi
+  chmod -R u+w "$bundle"
+  rm -rf "$bundle"
+  [ "$fails" -eq 0 ]
+}
+
+declare -A result=() size=() unpacked=() digest=()
+status=0
+for c in "${selected[@]}"; do
+  name="kvgate-$c"
+  say "building $registry/$name:$version"
+  build_image "$c"
+  m=$(manifest_digest "$out/$name")
+  digest[$c]=$m
+  size[$c]=$(jq '([.layers[].size] | add) + .config.size' "$(blob "$out/$name" "$m")")
+  unpacked[$c]=$(du -sb --apparent-size "$rootfs" "$work/bin-$c" | awk '{ s += $1 } END { print s }')
+  say "checking $name"
+  if check_image "$c"; then result[$c]=ok; else result[$c]=FAILED; status=1; fi
+done
+
+mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
+printf '\n%-40s %12s %12s  %-19s %s\n' image compressed unpacked digest check
+for c in "${selected[@]}"; do
+  printf '%-40s %12s %12s  %-19s %s\n' "$registry/kvgate-$c:$version" \
+    "$(mib "${size[$c]}")" "$(mib "${unpacked[$c]}")" "${digest[$c]:0:19}" "${result[$c]}"
+done
+printf '\nOCI layouts and docker archives in %s; %d s in all\n' "$out" "$((SECONDS - started))"
+exit "$status"
