@@ -10,17 +10,18 @@ use kv_index::{IndexConfig, KvIndex};
 use scheduler::{InflightTracker, LoadBook, Scheduler, SchedulerConfig};
 
 use crate::args::{Args, Discovery, EngineArg, PoolGroupArg};
-use crate::discovery::Datastore;
 use crate::discovery::apply::{NodeIds, Targets, apply};
 use crate::discovery::file::{FileWatch, Parsed, parse};
 use crate::discovery::kubernetes::{KubeDiscovery, PoolGroup, WatchConfig};
+use crate::discovery::{Datastore, Wake};
 use crate::ingest::nats::{NatsConfig, NatsIngest, SharingConfig, random_replica_id};
 use crate::ingest::zmq_direct::{DirectSource, Ingester};
 use crate::routing::keys::{Keyer, ModelTokenizer};
 use crate::routing::picker::Picker;
 use crate::server::{Readiness, ServerConfig};
 
-/// How often the endpoints file is checked and speculative entries expire.
+/// How often the endpoints file is checked and speculative entries expire (Kubernetes changes
+/// do not wait for it).
 const TICK: Duration = Duration::from_millis(500);
 /// Bytes of token ids the multi-turn tokenization cache holds per model.
 const TOKEN_CACHE_BYTES: usize = 256 << 20;
@@ -123,7 +124,13 @@ pub fn run(args: Args) -> Result<(), AppError> {
         }
         None => crate::routing::rewrite::RewriteRules::default(),
     };
-    let feed = start_feed(&args)?;
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if args.worker_threads > 0 {
+        runtime.worker_threads(args.worker_threads);
+    }
+    let runtime = runtime.enable_all().build().map_err(AppError::Runtime)?;
+    let wake = Arc::new(Wake::default());
+    let feed = start_feed(&args, runtime.handle(), Arc::clone(&wake))?;
     let mut picker = Picker::new(
         keyer,
         scheduler,
@@ -156,11 +163,6 @@ pub fn run(args: Args) -> Result<(), AppError> {
             crate::load::ScrapeConfig::default(),
         )
     };
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if args.worker_threads > 0 {
-        runtime.worker_threads(args.worker_threads);
-    }
-    let runtime = runtime.enable_all().build().map_err(AppError::Runtime)?;
     let nats = match nats_config(&args) {
         Some(config) => {
             let shared = crate::ingest::nats::Shared {
@@ -194,6 +196,10 @@ pub fn run(args: Args) -> Result<(), AppError> {
         nats: nats.as_ref().map(NatsIngest::stats),
         index: Arc::clone(&state.index),
         datastore: Arc::clone(&state.datastore),
+        kube: match &feed {
+            Feed::Kube(kube) => Some(Arc::clone(kube.stats())),
+            Feed::File(_) => None,
+        },
     };
     let background = {
         let (state, stop, readiness, picker) = (
@@ -208,12 +214,12 @@ pub fn run(args: Args) -> Result<(), AppError> {
             .spawn(move || {
                 background_loop(
                     &state, &picker, ingester, &scraper, feed, &model, block_size, &readiness,
-                    &stop,
+                    &stop, &wake,
                 )
             })
             .map_err(AppError::Runtime)?
     };
-    let metrics_addr = std::net::SocketAddr::from(([0, 0, 0, 0], args.metrics_port));
+    let metrics_addr = std::net::SocketAddr::new(args.listen_address, args.metrics_port);
     runtime.spawn(async move {
         if let Err(e) =
             crate::metrics::serve(metrics_addr, metrics_sources, std::future::pending()).await
@@ -262,7 +268,11 @@ enum Feed {
     Kube(Box<KubeDiscovery>),
 }
 
-fn start_feed(args: &Args) -> Result<Feed, AppError> {
+fn start_feed(
+    args: &Args,
+    runtime: &tokio::runtime::Handle,
+    wake: Arc<Wake>,
+) -> Result<Feed, AppError> {
     Ok(match args.discovery {
         Discovery::File => Feed::File(FileWatch::new(
             args.endpoints_file.clone().unwrap_or_default(),
@@ -274,18 +284,22 @@ fn start_feed(args: &Args) -> Result<Feed, AppError> {
                 PoolGroupArg::V1Alpha2 => PoolGroup::V1Alpha2,
             };
             let config = WatchConfig {
-                pool_name: args.pool_name.clone(),
-                namespace: args.pool_namespace.clone(),
                 group,
+                max_backoff: Duration::from_millis(args.kube_max_backoff_ms),
+                relist_every: (args.kube_relist_seconds > 0)
+                    .then(|| Duration::from_secs(args.kube_relist_seconds)),
+                ..WatchConfig::new(args.pool_name.clone(), args.pool_namespace.clone())
             };
             Feed::Kube(Box::new(
-                KubeDiscovery::start(config).map_err(|e| config_error(e.to_string()))?,
+                KubeDiscovery::start(config, runtime, wake)
+                    .map_err(|e| config_error(e.to_string()))?,
             ))
         }
     })
 }
 
-/// Discovery, ingestion and expiry, on one thread.
+/// Discovery, ingestion and expiry, on one thread: each tick, or at once when Kubernetes
+/// discovery publishes a change.
 #[allow(clippy::too_many_arguments)]
 fn background_loop(
     state: &State,
@@ -297,6 +311,7 @@ fn background_loop(
     block_size: u32,
     readiness: &Readiness,
     stop: &AtomicBool,
+    wake: &Wake,
 ) {
     let mut warned = false;
     let mut install = |parsed: Vec<Parsed>| {
@@ -368,7 +383,7 @@ fn background_loop(
         state
             .scheduler_for_upkeep
             .expire(&state.index, picker.now());
-        std::thread::sleep(TICK);
+        wake.wait(TICK);
     }
 }
 

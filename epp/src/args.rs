@@ -24,6 +24,15 @@ pub enum PoolGroupArg {
     V1Alpha2,
 }
 
+/// What the destination header carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DestinationHeaderArg {
+    /// The picked endpoint alone.
+    Primary,
+    /// The picked endpoint and its fallbacks.
+    All,
+}
+
 /// How the pool's engines fold a request's `cache_salt` into their block hashes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum EngineArg {
@@ -53,9 +62,22 @@ pub struct Args {
     /// the pool namespace; `file` reads `--endpoints-file`.
     #[arg(long, value_enum, default_value_t = Discovery::Kubernetes)]
     pub discovery: Discovery,
+    /// The longest wait between two attempts of a failing Kubernetes watch, in milliseconds.
+    /// While the API server is away the EPP routes on its last view; after it returns, the
+    /// watches list again within this delay.
+    #[arg(long, env = "KVGATE_KUBE_MAX_BACKOFF_MS", default_value_t = 2000,
+          value_parser = clap::value_parser!(u64).range(100..=300_000))]
+    pub kube_max_backoff_ms: u64,
+    /// How often every Kubernetes watch lists its objects again from scratch, in seconds (0:
+    /// only after failures). Catches changes a watch missed without an error.
+    #[arg(long, env = "KVGATE_KUBE_RELIST_SECONDS", default_value_t = 300)]
+    pub kube_relist_seconds: u64,
     /// Endpoints file, for `--discovery file`.
     #[arg(long, env = "KVGATE_ENDPOINTS_FILE")]
     pub endpoints_file: Option<PathBuf>,
+    /// The address the ext_proc, health and metrics servers listen on.
+    #[arg(long, env = "KVGATE_LISTEN_ADDRESS", default_value = "0.0.0.0")]
+    pub listen_address: std::net::IpAddr,
     /// ext_proc gRPC port.
     #[arg(long, default_value_t = 9002)]
     pub grpc_port: u16,
@@ -147,6 +169,11 @@ pub struct Args {
     /// from a client they would point the engine at a host of the client's choosing.
     #[arg(long, env = "KVGATE_ALLOW_CLIENT_TRANSFER_PARAMS", default_value_t = false, action = clap::ArgAction::Set)]
     pub allow_client_transfer_params: bool,
+    /// What the `x-gateway-destination-endpoint` header carries: `primary` (the picked endpoint
+    /// alone, which ORIGINAL_DST clusters and agentgateway require) or `all` (the primary and
+    /// its fallbacks, comma-separated). The `envoy.lb` metadata always carries all of them.
+    #[arg(long, value_enum, env = "KVGATE_DESTINATION_HEADER", default_value_t = DestinationHeaderArg::Primary)]
+    pub destination_header: DestinationHeaderArg,
     /// HTTP/2 adaptive flow-control windows on the ext_proc listener (BDP estimation).
     #[arg(long, env = "KVGATE_HTTP2_ADAPTIVE_WINDOW", default_value_t = false, action = clap::ArgAction::Set)]
     pub http2_adaptive_window: bool,

@@ -31,6 +31,8 @@ pub struct Sources {
     pub datastore: Arc<Datastore>,
     /// The picker: per-request (GIE) metrics and the pool's engine load.
     pub router: Option<Arc<Picker>>,
+    /// Kubernetes discovery's watches, when it runs.
+    pub kube: Option<Arc<crate::discovery::kubernetes::KubeStats>>,
 }
 
 /// Engine load samples older than this are left out of the pool averages.
@@ -254,8 +256,67 @@ pub fn render(s: &Sources) -> String {
         pool_load(&mut e, router, &endpoints, &s.pool);
         router.request_metrics().render(&mut e, &s.pool);
     }
+    if let Some(kube) = &s.kube {
+        kube_metrics(&mut e, kube, &s.pool);
+    }
     out.push_str(&e.finish());
     out
+}
+
+/// Kubernetes discovery: whether each watch works, how long the view has been stale, failures
+/// and relists.
+#[allow(clippy::cast_precision_loss)]
+fn kube_metrics(
+    e: &mut telemetry::Exposition,
+    kube: &crate::discovery::kubernetes::KubeStats,
+    pool: &str,
+) {
+    let watches = kube.watches();
+    e.family(
+        "kvgate_epp_kube_watch_up",
+        telemetry::Kind::Gauge,
+        "1 when the Kubernetes watch lists and watches (or its resource is not installed), 0 while it fails.",
+    );
+    for (watch, up, ..) in &watches {
+        e.sample(
+            "kvgate_epp_kube_watch_up",
+            &[("pool", pool), ("watch", watch)],
+            if *up { 1.0 } else { 0.0 },
+        );
+    }
+    e.family(
+        "kvgate_epp_kube_watch_failures_total",
+        telemetry::Kind::Counter,
+        "Kubernetes watch failures (each retried after the backoff with a fresh list).",
+    );
+    for (watch, _, failures, ..) in &watches {
+        e.sample(
+            "kvgate_epp_kube_watch_failures_total",
+            &[("pool", pool), ("watch", watch)],
+            *failures as f64,
+        );
+    }
+    e.family(
+        "kvgate_epp_kube_relists_total",
+        telemetry::Kind::Counter,
+        "Kubernetes watches listed again from scratch, after a failure or periodically.",
+    );
+    for (watch, _, _, after_error, periodic) in &watches {
+        for (reason, n) in [("error", after_error), ("periodic", periodic)] {
+            e.sample(
+                "kvgate_epp_kube_relists_total",
+                &[("pool", pool), ("watch", watch), ("reason", reason)],
+                *n as f64,
+            );
+        }
+    }
+    e.single(
+        "kvgate_epp_kube_stale_seconds",
+        telemetry::Kind::Gauge,
+        "Seconds the EPP's view of the pool has not been refreshable (a watch unavailable or forbidden); 0 when current. The EPP keeps routing on its last view meanwhile.",
+        &[("pool", pool)],
+        kube.stale_for(std::time::Instant::now()).as_secs_f64(),
+    );
 }
 
 /// GIE's pool gauges: averages over ready endpoints with a fresh engine load sample.
@@ -385,6 +446,7 @@ mod tests {
             index: Arc::new(KvIndex::new(kv_index::IndexConfig::default()).unwrap()),
             datastore: Arc::new(Datastore::new()),
             router: None,
+            kube: Some(Arc::default()),
         };
         let text = render(&s);
         for want in [
@@ -394,6 +456,9 @@ mod tests {
             "kvgate_epp_kv_event_gaps_total{pool=\"p_1\"} 0",
             "# TYPE kvgate_epp_index_residencies gauge",
             "kvgate_epp_nats_connected{pool=\"p_1\"} 0",
+            "kvgate_epp_kube_watch_up{pool=\"p\\\"1\",watch=\"pods\"} 1",
+            "kvgate_epp_kube_stale_seconds{pool=\"p\\\"1\"} 0",
+            "kvgate_epp_kube_relists_total{pool=\"p\\\"1\",watch=\"pods\",reason=\"periodic\"} 0",
         ] {
             assert!(text.contains(want), "missing {want}\n{text}");
         }

@@ -119,8 +119,8 @@ async fn body_split_across_chunks_is_answered_after_the_last_chunk() {
     assert!(is_request_headers(&headers));
     let set = set_headers(&headers);
     assert_eq!(
-        set["x-gateway-destination-endpoint"],
-        "10.0.0.1:8000,10.0.0.2:8000"
+        set["x-gateway-destination-endpoint"], "10.0.0.1:8000",
+        "the header names the primary; the metadata adds the fallback"
     );
     assert_eq!(
         metadata_endpoint(&headers).as_deref(),

@@ -104,17 +104,57 @@ pub fn exit<E: Error + ExitStatus>(result: Result<(), E>) -> ExitCode {
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`); does nothing if a subscriber is
 /// already installed (tests, a second call).
 pub fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let filter = tracing_subscriber::EnvFilter::new(log_directives(
+        std::env::var("RUST_LOG").ok().as_deref(),
+    ));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
 }
 
+/// kube-rs's HTTP tracing layer logs every failed request at ERROR (53 lines in one API
+/// outage, one per watch retry). kvgate's watchers report an outage themselves (one warning,
+/// then each retry at debug), so the layer is silenced unless `RUST_LOG` names `kube_client`.
+const QUIET_TARGETS: &str = "kube_client::client::builder=off";
+
+/// The filter directives: `RUST_LOG` (default `info`), plus [`QUIET_TARGETS`] unless
+/// `RUST_LOG` mentions `kube_client`.
+pub fn log_directives(rust_log: Option<&str>) -> String {
+    let base = rust_log
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .unwrap_or("info");
+    if base.contains("kube_client") {
+        base.to_owned()
+    } else {
+        format!("{base},{QUIET_TARGETS}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kube_client_request_errors_stay_at_debug_unless_asked_for() {
+        assert_eq!(
+            log_directives(None),
+            "info,kube_client::client::builder=off"
+        );
+        assert_eq!(
+            log_directives(Some("warn,kvgate_epp=debug")),
+            "warn,kvgate_epp=debug,kube_client::client::builder=off"
+        );
+        assert_eq!(
+            log_directives(Some("kube_client=trace")),
+            "kube_client=trace"
+        );
+        assert_eq!(
+            log_directives(Some("  ")),
+            "info,kube_client::client::builder=off"
+        );
+    }
 
     #[test]
     fn not_in_this_build_names_the_issue_and_exits_2() {

@@ -16,6 +16,7 @@
 //! kapi runs no controllers: nothing turns Deployments into Pods. Tests create Pods and set their
 //! status themselves ([`pods`]).
 
+pub mod crds;
 mod error;
 pub mod pods;
 mod server;

@@ -56,7 +56,8 @@ pub fn kv_events_config(events: u16, replay: u16) -> String {
 }
 
 /// Response headers Envoy adds so clients (and the tests) see where a request went:
-/// `x-kvgate-upstream` is the host Envoy sent to, `x-kvgate-picked` the EPP's ordered list.
+/// `x-kvgate-upstream` is the host Envoy sent to, `x-kvgate-picked` the EPP's ordered list (from
+/// the `envoy.lb` metadata: the destination header carries the primary alone).
 pub const UPSTREAM_HEADER: &str = "x-kvgate-upstream";
 /// See [`UPSTREAM_HEADER`].
 pub const PICKED_HEADER: &str = "x-kvgate-picked";
@@ -133,7 +134,7 @@ static_resources:
           - name: envoy.access_loggers.stdout
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog
-              log_format: {{ text_format_source: {{ inline_string: "ACCESS status=%RESPONSE_CODE% upstream=%UPSTREAM_HOST% picked=%REQ(x-gateway-destination-endpoint)% flags=%RESPONSE_FLAGS%\n" }} }}
+              log_format: {{ text_format_source: {{ inline_string: "ACCESS status=%RESPONSE_CODE% upstream=%UPSTREAM_HOST% picked=%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)% flags=%RESPONSE_FLAGS%\n" }} }}
           route_config:
             name: llm
             virtual_hosts:
@@ -150,7 +151,7 @@ static_resources:
                     num_retries: 3
                 response_headers_to_add:
                 - header: {{ key: {upstream}, value: "%UPSTREAM_HOST%" }}
-                - header: {{ key: {picked}, value: "%REQ(x-gateway-destination-endpoint)%" }}
+                - header: {{ key: {picked}, value: "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%" }}
           http_filters:
           - name: envoy.filters.http.header_to_metadata
             typed_config:

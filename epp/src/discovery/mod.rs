@@ -6,5 +6,7 @@ pub mod apply;
 pub mod datastore;
 pub mod file;
 pub mod kubernetes;
+mod wake;
 
 pub use datastore::{Datastore, EndpointKey};
+pub use wake::Wake;

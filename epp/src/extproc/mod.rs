@@ -6,8 +6,9 @@
 //! a socket, a runtime or a clock.
 //!
 //! Protocol facts followed (DESIGN.md § EPP ↔ Envoy, `reference/gie_llmd.md` §1.1):
-//! - the pick goes out as the header `x-gateway-destination-endpoint: ip:port[,ip:port…]` and the
-//!   same string in dynamic metadata `envoy.lb` / `x-gateway-destination-endpoint`, with
+//! - the pick goes out as the header `x-gateway-destination-endpoint: ip:port` (the primary; with
+//!   `HeaderEndpoints::All` the fallbacks too, comma-separated) and the primary with its fallbacks
+//!   in dynamic metadata `envoy.lb` / `x-gateway-destination-endpoint`, with
 //!   `clear_route_cache: true`;
 //! - `FULL_DUPLEX_STREAMED` request bodies: the headers reply is deferred until the body is
 //!   complete, then the body is re-sent as `streamed_response` chunks of at most 62,000 bytes, the
@@ -32,7 +33,7 @@ mod usage;
 pub use body::MAX_CHUNK_BYTES;
 pub use rewrite::ResponseRewriter;
 pub use router::{Decision, Rejection, ResponseEvent, ResponseModel, Router, RoutingInput};
-pub use stream::{BodyMode, ExtProcStream, StreamConfig, StreamError};
+pub use stream::{BodyMode, ExtProcStream, HeaderEndpoints, StreamConfig, StreamError};
 
 /// Header carrying the pick, primary first (GIE `DestinationEndpointKey`).
 pub const DESTINATION_ENDPOINT_HEADER: &str = "x-gateway-destination-endpoint";

@@ -78,6 +78,22 @@ pub struct StreamConfig {
     pub sse_line_limit: usize,
     /// Tail of a JSON response body kept to find `usage`.
     pub json_tail_limit: usize,
+    /// What the destination header carries (the metadata always carries every endpoint).
+    pub header_endpoints: HeaderEndpoints,
+}
+
+/// What the `x-gateway-destination-endpoint` header carries. GIE's protocol text puts the same
+/// list in the header and the `envoy.lb` metadata, but data planes that read the header
+/// (Envoy's ORIGINAL_DST clusters, as Envoy AI Gateway configures them, and agentgateway)
+/// parse it as one `ip:port`; those that honour fallbacks (Envoy's `override_host`, Istio)
+/// read the metadata.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum HeaderEndpoints {
+    /// The primary endpoint alone (the default).
+    #[default]
+    Primary,
+    /// The primary and its fallbacks, comma-separated.
+    All,
 }
 
 impl Default for StreamConfig {
@@ -88,6 +104,7 @@ impl Default for StreamConfig {
             response_body_mode: BodyMode::None,
             sse_line_limit: 64 << 10,
             json_tail_limit: 64 << 10,
+            header_endpoints: HeaderEndpoints::Primary,
         }
     }
 }
@@ -493,13 +510,17 @@ impl ExtProcStream {
             response_model,
             ..
         } = decision;
+        let header = match self.config.header_endpoints {
+            HeaderEndpoints::Primary => endpoints.first().cloned().unwrap_or_default(),
+            HeaderEndpoints::All => endpoints.join(","),
+        };
         let endpoints = endpoints.join(",");
         tracing::Span::current().record("endpoint", endpoints.as_str());
         tracing::debug!(endpoint = %endpoints, "picked");
 
         let body_changed = new_body.is_some();
         let forwarded = new_body.or(body);
-        let mut set_headers = vec![set(DESTINATION_ENDPOINT_HEADER, &endpoints)];
+        let mut set_headers = vec![set(DESTINATION_ENDPOINT_HEADER, &header)];
         set_headers.extend(
             add_headers
                 .iter()

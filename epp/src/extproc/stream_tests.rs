@@ -301,6 +301,30 @@ fn duplex() -> Option<ProtocolConfiguration> {
 }
 
 #[test]
+fn the_header_carries_every_endpoint_when_asked() {
+    let router = FakeRouter::picking(&["10.0.0.1:8000", "10.0.0.2:8000"]);
+    let config = StreamConfig {
+        header_endpoints: HeaderEndpoints::All,
+        ..StreamConfig::default()
+    };
+    let mut s = stream_with(&router, config);
+    let out = s
+        .on_message(ProcessingRequest {
+            protocol_config: duplex(),
+            ..req_headers(&[(":method", "GET"), (":path", "/v1/models")], true)
+        })
+        .unwrap();
+    assert_eq!(
+        set_headers(&out[0])["x-gateway-destination-endpoint"],
+        "10.0.0.1:8000,10.0.0.2:8000"
+    );
+    assert_eq!(
+        metadata_endpoint(&out[0]).as_deref(),
+        Some("10.0.0.1:8000,10.0.0.2:8000")
+    );
+}
+
+#[test]
 fn header_only_get_is_picked_on_the_headers_message() {
     let router = FakeRouter::picking(&["10.0.0.1:8000", "10.0.0.2:8000"]);
     let mut s = stream(&router);
@@ -320,8 +344,8 @@ fn header_only_get_is_picked_on_the_headers_message() {
     assert_eq!(kinds(&out), ["request_headers"]);
     let h = set_headers(&out[0]);
     assert_eq!(
-        h["x-gateway-destination-endpoint"],
-        "10.0.0.1:8000,10.0.0.2:8000"
+        h["x-gateway-destination-endpoint"], "10.0.0.1:8000",
+        "the header carries the primary alone"
     );
     assert!(!h.contains_key("content-length"));
     assert!(

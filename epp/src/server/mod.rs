@@ -10,7 +10,7 @@ mod health;
 mod tls;
 
 use std::future::Future;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +26,7 @@ pub use health::{
 };
 pub use tls::{TlsError, TlsMaterial};
 
-use crate::extproc::{Router, StreamConfig};
+use crate::extproc::{HeaderEndpoints, Router, StreamConfig};
 
 /// After cutting streams, how long connections get to close before serving returns anyway.
 const CUT_GRACE: Duration = Duration::from_secs(1);
@@ -53,7 +53,7 @@ pub enum TlsMode {
 /// Everything the servers need.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
-    /// ext_proc listen address (`0.0.0.0:9002`).
+    /// ext_proc listen address (`--listen-address`, `0.0.0.0:9002` by default).
     pub ext_proc_addr: SocketAddr,
     /// gRPC health listen address (`0.0.0.0:9003`), always plaintext.
     pub health_addr: SocketAddr,
@@ -70,7 +70,7 @@ pub struct ServerConfig {
 impl ServerConfig {
     /// The configuration the command line asks for.
     pub fn from_args(args: &crate::Args) -> Self {
-        let any = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+        let any = args.listen_address;
         let tls = match (&args.cert, &args.key, args.plaintext) {
             (_, _, true) => TlsMode::Plaintext,
             (Some(cert), Some(key), false) => TlsMode::Files {
@@ -87,6 +87,10 @@ impl ServerConfig {
             tls,
             stream: StreamConfig {
                 max_body_bytes: args.max_body_bytes,
+                header_endpoints: match args.destination_header {
+                    crate::args::DestinationHeaderArg::Primary => HeaderEndpoints::Primary,
+                    crate::args::DestinationHeaderArg::All => HeaderEndpoints::All,
+                },
                 ..StreamConfig::default()
             },
             drain_timeout: Duration::from_secs(args.drain_timeout_seconds),

@@ -3,24 +3,28 @@
 //! selector picks, and the namespace's InferenceObjectives.
 //!
 //! Layers, pure first: [`convert`] (Pod → endpoints), [`relist`] (the reflector store's state
-//! machine), [`state`] (one pool's state → [`Snapshot`]), [`objectives`] (name → priority), then
-//! [`watch`] (kube-rs watchers feeding them). [`KubeDiscovery`] runs the watchers on a thread of
-//! its own with a single-threaded tokio runtime, so the discovery thread in `app` reads snapshots
-//! the way it polls the endpoints file, and installs them through the same
-//! [`apply`](crate::discovery::apply::apply).
+//! machine), [`state`] (one pool's state → [`Snapshot`]), [`objectives`] (name → priority),
+//! [`backoff`] and [`health`] (retry delays, staleness and what to log), then [`watch`]
+//! (kube-rs watchers feeding them). [`KubeDiscovery`] runs the watchers as tasks on the EPP's
+//! runtime; the discovery thread in `app` installs each new snapshot through
+//! [`apply`](crate::discovery::apply::apply) as soon as [`Wake`] tells it one arrived.
 
+pub mod backoff;
 pub mod convert;
+pub mod health;
 pub mod objectives;
 pub mod relist;
 pub mod state;
 pub mod watch;
 
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
+pub use health::KubeStats;
 pub use objectives::Objectives;
 pub use state::Snapshot;
 pub use watch::{PoolGroup, WatchConfig};
+
+use crate::discovery::Wake;
 
 /// Why Kubernetes discovery could not start.
 #[derive(Debug, thiserror::Error)]
@@ -31,12 +35,6 @@ pub enum KubeError {
          mounted token) or a kubeconfig: {0}"
     )]
     Config(#[source] kube::Error),
-    /// The discovery thread or its runtime could not start.
-    #[error("Kubernetes discovery thread: {0}")]
-    Thread(#[source] std::io::Error),
-    /// The discovery thread ended before reporting.
-    #[error("Kubernetes discovery thread stopped during start-up")]
-    Died,
 }
 
 impl KubeError {
@@ -44,8 +42,6 @@ impl KubeError {
     pub fn metric_label(&self) -> &'static str {
         match self {
             KubeError::Config(_) => "config",
-            KubeError::Thread(_) => "thread",
-            KubeError::Died => "died",
         }
     }
 }
@@ -55,63 +51,57 @@ impl KubeError {
 pub struct KubeDiscovery {
     snapshots: tokio::sync::watch::Receiver<Snapshot>,
     objectives: Arc<Objectives>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<JoinHandle<()>>,
+    stats: Arc<KubeStats>,
+    task: tokio::task::JoinHandle<()>,
 }
 
 impl KubeDiscovery {
-    /// Connects with `kube::Client::try_default()` (in-cluster config, else kubeconfig) and
-    /// starts the watchers; fails when no configuration is usable.
-    pub fn start(config: WatchConfig) -> Result<Self, KubeError> {
+    /// Connects with `kube::Client::try_default()` (in-cluster config, else `KUBECONFIG` or
+    /// `~/.kube/config`) and starts the watchers on `runtime`; fails when no configuration is
+    /// usable. Must not be called from inside the runtime. `wake` is notified whenever a new
+    /// snapshot is published.
+    pub fn start(
+        config: WatchConfig,
+        runtime: &tokio::runtime::Handle,
+        wake: Arc<Wake>,
+    ) -> Result<Self, KubeError> {
+        let client = runtime
+            .block_on(kube::Client::try_default())
+            .map_err(KubeError::Config)?;
+        Ok(Self::with_client(client, config, runtime, wake))
+    }
+
+    /// Starts the watchers with `client`.
+    pub fn with_client(
+        client: kube::Client,
+        config: WatchConfig,
+        runtime: &tokio::runtime::Handle,
+        wake: Arc<Wake>,
+    ) -> Self {
         let (snap_tx, snapshots) = tokio::sync::watch::channel(Snapshot::default());
         let objectives = Arc::new(Objectives::new(config.pool_name.clone()));
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let (started_tx, started) = std::sync::mpsc::channel::<Result<(), KubeError>>();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(KubeError::Thread)?;
-        let objectives_for_watch = Arc::clone(&objectives);
-        let thread = std::thread::Builder::new()
-            .name("kube-discovery".into())
-            .spawn(move || {
-                runtime.block_on(async move {
-                    let client = match kube::Client::try_default().await {
-                        Ok(c) => c,
-                        Err(e) => {
-                            let _ = started_tx.send(Err(KubeError::Config(e)));
-                            return;
-                        }
-                    };
-                    let _ = started_tx.send(Ok(()));
-                    tracing::info!(
-                        pool = %config.pool_name,
-                        namespace = %config.namespace,
-                        group = ?config.group,
-                        "Kubernetes discovery started"
-                    );
-                    tokio::select! {
-                        () = watch::run(client, config, snap_tx, objectives_for_watch) => {}
-                        _ = stopped => {}
-                    }
-                });
-            })
-            .map_err(KubeError::Thread)?;
-        match started.recv() {
-            Ok(Ok(())) => Ok(Self {
-                snapshots,
-                objectives,
-                stop: Some(stop),
-                thread: Some(thread),
-            }),
-            Ok(Err(e)) => {
-                let _ = thread.join();
-                Err(e)
-            }
-            Err(_) => {
-                let _ = thread.join();
-                Err(KubeError::Died)
-            }
+        let stats = Arc::new(KubeStats::default());
+        tracing::info!(
+            pool = %config.pool_name,
+            namespace = %config.namespace,
+            group = ?config.group,
+            max_backoff_ms = config.max_backoff.as_millis() as u64,
+            relist_every_s = config.relist_every.map(|d| d.as_secs()),
+            "Kubernetes discovery started"
+        );
+        let task = runtime.spawn(watch::run(
+            client,
+            config,
+            snap_tx,
+            Arc::clone(&objectives),
+            wake,
+            Arc::clone(&stats),
+        ));
+        Self {
+            snapshots,
+            objectives,
+            stats,
+            task,
         }
     }
 
@@ -123,19 +113,24 @@ impl KubeDiscovery {
         }
     }
 
+    /// A receiver of every snapshot (tests, tools).
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<Snapshot> {
+        self.snapshots.clone()
+    }
+
     /// The pool's InferenceObjectives.
     pub fn objectives(&self) -> &Arc<Objectives> {
         &self.objectives
+    }
+
+    /// The watches' health and counters.
+    pub fn stats(&self) -> &Arc<KubeStats> {
+        &self.stats
     }
 }
 
 impl Drop for KubeDiscovery {
     fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        self.task.abort();
     }
 }

@@ -1,29 +1,39 @@
 //! The reflectors: kube-rs watchers on the InferencePool (by name, per enabled API version), on
 //! the Pods its selector picks (restarted when the selector changes), and on InferenceObjectives
 //! (both groups). Each event goes into the synchronous [`PoolState`] or [`Objectives`]; every
-//! change of endpoints or readiness is published as a [`Snapshot`] on a `watch` channel.
+//! change of endpoints or readiness is published as a [`Snapshot`] on a `watch` channel and
+//! wakes the routing table's installer at once.
 //!
-//! Watchers retry with kube's default backoff; a resource whose CRD is not installed (404) keeps
-//! being retried quietly, so installing it later is picked up.
+//! A watch that fails is never resumed from its last resourceVersion: after the
+//! [`Backoff`] delay it lists again from scratch, and the list replaces the store atomically.
+//! Resuming is what kube-rs's watcher does, and after an etcd restore (resource versions going
+//! back in time) it resumed from a version the server had not reached and never saw the
+//! changes in between. Every watch also lists again every `--kube-relist-seconds`, which
+//! catches a silently lost event. A resource whose CRD is not installed (404) is retried
+//! quietly at the maximum delay, so installing it later is picked up.
 
 use std::fmt::Debug;
 use std::pin::pin;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use api::objective::{ObjectiveView, llm_d, x_k8s};
 use api::pool::{PoolView, v1, v1alpha2};
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Pod;
-use kube::runtime::WatchStreamExt as _;
 use kube::runtime::watcher::{self, Event, watcher};
 use kube::{Api, Client, Resource, ResourceExt as _};
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
+use super::backoff::{Backoff, MIN_DELAY};
 use super::convert::pod_view;
+use super::health::{Failure, KubeStats, Note, Relist, WatchKind};
 use super::objectives::{ObjectiveGroup, Objectives};
 use super::relist::StoreEvent;
 use super::state::{PoolState, PoolVersion, Snapshot};
+use crate::discovery::Wake;
 
 /// Which InferencePool API versions are watched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,7 +46,7 @@ pub enum PoolGroup {
     V1Alpha2,
 }
 
-/// What to watch.
+/// What to watch, and how.
 #[derive(Debug, Clone)]
 pub struct WatchConfig {
     /// The InferencePool's name.
@@ -45,13 +55,35 @@ pub struct WatchConfig {
     pub namespace: String,
     /// Which API versions.
     pub group: PoolGroup,
+    /// The longest wait between retries while the API server fails.
+    pub max_backoff: Duration,
+    /// How often every watch lists again from scratch; never when `None`.
+    pub relist_every: Option<Duration>,
 }
 
-/// State shared by the watcher tasks.
+impl WatchConfig {
+    /// Defaults for `pool_name` in `namespace`: both versions, 2 s maximum backoff, a relist
+    /// every 5 minutes.
+    pub fn new(pool_name: impl Into<String>, namespace: impl Into<String>) -> Self {
+        Self {
+            pool_name: pool_name.into(),
+            namespace: namespace.into(),
+            group: PoolGroup::Auto,
+            max_backoff: Duration::from_secs(2),
+            relist_every: Some(Duration::from_secs(300)),
+        }
+    }
+}
+
+/// What the watcher tasks share.
 struct Shared {
     state: Mutex<PoolState>,
     snapshots: watch::Sender<Snapshot>,
     selector: watch::Sender<Option<String>>,
+    wake: Arc<Wake>,
+    stats: Arc<KubeStats>,
+    max_backoff: Duration,
+    relist_every: Option<Duration>,
 }
 
 impl Shared {
@@ -67,8 +99,48 @@ impl Shared {
         };
         self.selector
             .send_if_modified(|cur| replace_if_new(cur, selector));
-        self.snapshots
-            .send_if_modified(|cur| replace_if_new(cur, snapshot));
+        if self
+            .snapshots
+            .send_if_modified(|cur| replace_if_new(cur, snapshot))
+        {
+            self.wake.notify();
+        }
+    }
+
+    /// Logs and counts a failure of `watch`.
+    fn failed(&self, watch: WatchKind, error: &watcher::Error) -> Failure {
+        let failure = classify(error);
+        let w = watch.label();
+        match self.stats.failed(watch, failure, std::time::Instant::now()) {
+            Note::OutageStarted => tracing::warn!(
+                watch = w, error = %error,
+                "Kubernetes watch failed: routing on the last known endpoints while the watches retry \
+                 (at most every {} ms; kvgate_epp_kube_stale_seconds counts how long)",
+                self.max_backoff.as_millis()
+            ),
+            Note::Absent => tracing::info!(
+                watch = w,
+                "resource not served by the API server (CRD not installed?); retrying quietly"
+            ),
+            Note::Forbidden => tracing::warn!(
+                watch = w, error = %error,
+                "the API server refused this watch: the EPP's Role must grant list and watch on it"
+            ),
+            Note::Repeat | Note::Recovered { .. } => {
+                tracing::debug!(watch = w, error = %error, "watch still failing")
+            }
+        }
+        failure
+    }
+
+    /// Logs a completed list of `watch`.
+    fn listed(&self, watch: WatchKind) {
+        if let Note::Recovered { after } = self.stats.listed(watch, std::time::Instant::now()) {
+            tracing::info!(
+                stale_ms = after.as_millis() as u64,
+                "Kubernetes watches recovered: every watch listed again"
+            );
+        }
     }
 }
 
@@ -80,38 +152,19 @@ fn replace_if_new<T: PartialEq>(cur: &mut T, new: T) -> bool {
     true
 }
 
-/// Logs a watcher's errors: the first of a run at warn, repeats at debug, recovery at info.
-#[derive(Debug)]
-struct ErrorLog {
-    what: &'static str,
-    failing: u64,
-}
-
-impl ErrorLog {
-    fn new(what: &'static str) -> Self {
-        Self { what, failing: 0 }
-    }
-
-    fn error(&mut self, e: &watcher::Error) {
-        if self.failing == 0 {
-            tracing::warn!(watch = self.what, error = %e, "watch failed; retrying with backoff");
-        } else {
-            tracing::debug!(watch = self.what, error = %e, failures = self.failing + 1, "watch still failing");
-        }
-        self.failing += 1;
-    }
-
-    /// An event arrived. `Init` opens every (re)list attempt, before its request, so only the
-    /// events after it show the watch works again.
-    fn ok<K>(&mut self, event: &Event<K>) {
-        if self.failing > 0 && !matches!(event, Event::Init) {
-            tracing::info!(
-                watch = self.what,
-                failures = self.failing,
-                "watch recovered"
-            );
-            self.failing = 0;
-        }
+/// What a watcher error means for discovery.
+fn classify(error: &watcher::Error) -> Failure {
+    let api_code = match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => Some(s.code),
+        watcher::Error::WatchError(s) => Some(s.code),
+        _ => None,
+    };
+    match api_code {
+        Some(404) => Failure::Absent,
+        Some(401 | 403) => Failure::Forbidden,
+        _ => Failure::Unavailable,
     }
 }
 
@@ -126,18 +179,93 @@ fn store_event<K: Resource, T>(event: Event<K>, view: impl Fn(&K) -> Option<T>) 
     }
 }
 
+/// Why one watcher stream ended.
+enum End {
+    /// It failed; wait, then list again.
+    Failed(Failure),
+    /// Time for the periodic relist.
+    Relist,
+    /// The caller's stop future completed (e.g. the pod selector changed).
+    Stopped,
+}
+
+/// Runs one watch until `stop` completes: a fresh list each time the stream starts, events to
+/// `on_event`, a new list after each failure (after the backoff) and every `relist_every`.
+async fn watch_loop<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    kind: WatchKind,
+    shared: &Shared,
+    mut stop: impl Future<Output = ()> + Unpin,
+    mut on_event: impl FnMut(Event<K>),
+) where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+{
+    let seed = std::process::id() as u64 ^ (kind as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut backoff = Backoff::new(MIN_DELAY, shared.max_backoff, seed);
+    loop {
+        let mut stream = pin!(watcher(api.clone(), config.clone()));
+        let relist = async {
+            match shared.relist_every {
+                Some(every) => tokio::time::sleep_until(Instant::now() + every).await,
+                None => std::future::pending().await,
+            }
+        };
+        let mut relist = pin!(relist);
+        let end = loop {
+            tokio::select! {
+                event = stream.next() => match event {
+                    Some(Ok(event)) => {
+                        if matches!(event, Event::InitDone) {
+                            backoff.reset();
+                            shared.listed(kind);
+                        }
+                        on_event(event);
+                    }
+                    Some(Err(e)) => break End::Failed(shared.failed(kind, &e)),
+                    None => break End::Failed(Failure::Unavailable),
+                },
+                () = &mut relist => break End::Relist,
+                () = &mut stop => break End::Stopped,
+            }
+        };
+        match end {
+            End::Stopped => return,
+            End::Relist => shared.stats.relisted(kind, Relist::Periodic),
+            End::Failed(failure) => {
+                shared.stats.relisted(kind, Relist::Error);
+                let delay = match failure {
+                    // Not installed: check now and then, not in a tight loop.
+                    Failure::Absent => shared.max_backoff,
+                    Failure::Forbidden | Failure::Unavailable => backoff.next_delay(),
+                };
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = &mut stop => return,
+                }
+            }
+        }
+    }
+}
+
 /// Runs every watcher until the future is dropped.
 pub async fn run(
     client: Client,
     config: WatchConfig,
     snapshots: watch::Sender<Snapshot>,
     objectives: Arc<Objectives>,
+    wake: Arc<Wake>,
+    stats: Arc<KubeStats>,
 ) {
     let (selector, selector_rx) = watch::channel(None);
     let shared = Arc::new(Shared {
         state: Mutex::new(PoolState::new(config.pool_name.clone())),
         snapshots,
         selector,
+        wake,
+        stats,
+        max_backoff: config.max_backoff,
+        relist_every: config.relist_every,
     });
     let ns = config.namespace.as_str();
     let by_name = watcher::Config::default().fields(&format!("metadata.name={}", config.pool_name));
@@ -168,12 +296,14 @@ pub async fn run(
     tasks.spawn(watch_objectives(
         Api::<llm_d::InferenceObjective>::namespaced(client.clone(), ns),
         ObjectiveGroup::LlmD,
+        Arc::clone(&shared),
         Arc::clone(&objectives),
         |o: &llm_d::InferenceObjective| ObjectiveView::from(&o.spec),
     ));
     tasks.spawn(watch_objectives(
         Api::<x_k8s::InferenceObjective>::namespaced(client, ns),
         ObjectiveGroup::XK8s,
+        shared,
         objectives,
         |o: &x_k8s::InferenceObjective| ObjectiveView::from(&o.spec),
     ));
@@ -189,25 +319,19 @@ async fn watch_pool<K>(
 ) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
-    let what = match version {
-        PoolVersion::V1 => "inferencepools.inference.networking.k8s.io/v1",
-        PoolVersion::V1Alpha2 => "inferencepools.inference.networking.x-k8s.io/v1alpha2",
+    let kind = match version {
+        PoolVersion::V1 => WatchKind::PoolV1,
+        PoolVersion::V1Alpha2 => WatchKind::PoolV1Alpha2,
     };
-    let mut errors = ErrorLog::new(what);
-    let mut stream = pin!(watcher(api, config).default_backoff());
-    while let Some(event) = stream.next().await {
-        match event {
-            Ok(event) => {
-                errors.ok(&event);
-                if let Event::Apply(p) | Event::InitApply(p) = &event {
-                    tracing::info!(pool = %p.name_any(), api = what, "InferencePool seen");
-                }
-                let event = store_event(event, |k| Some(view(k)));
-                shared.update(|s| s.pool_event(version, event));
-            }
-            Err(e) => errors.error(&e),
+    let never = std::future::pending::<()>();
+    watch_loop(api, config, kind, &shared, pin!(never), |event| {
+        if let Event::Apply(p) = &event {
+            tracing::info!(pool = %p.name_any(), api = kind.label(), "InferencePool changed");
         }
-    }
+        let event = store_event(event, |k| Some(view(k)));
+        shared.update(|s| s.pool_event(version, event));
+    })
+    .await;
 }
 
 async fn watch_pods(
@@ -215,7 +339,6 @@ async fn watch_pods(
     shared: Arc<Shared>,
     mut selector: watch::Receiver<Option<String>>,
 ) {
-    let mut errors = ErrorLog::new("pods");
     loop {
         let current = selector.borrow_and_update().clone();
         let Some(labels) = current else {
@@ -226,25 +349,25 @@ async fn watch_pods(
         };
         tracing::info!(selector = %labels, "watching pods");
         let config = watcher::Config::default().labels(&labels);
-        let mut stream = pin!(watcher(api.clone(), config).default_backoff());
-        loop {
-            tokio::select! {
-                changed = selector.changed() => {
-                    if changed.is_err() {
-                        return;
-                    }
-                    break;
-                }
-                event = stream.next() => match event {
-                    Some(Ok(event)) => {
-                        errors.ok(&event);
-                        let event = store_event(event, pod_view);
-                        shared.update(|s| s.pod_event(event));
-                    }
-                    Some(Err(e)) => errors.error(&e),
-                    None => return,
-                },
-            }
+        let mut changes = selector.clone();
+        let changed = pin!(async move {
+            let _ = changes.changed().await;
+        });
+        watch_loop(
+            api.clone(),
+            config,
+            WatchKind::Pods,
+            &shared,
+            changed,
+            |event| {
+                let event = store_event(event, pod_view);
+                shared.update(|s| s.pod_event(event));
+            },
+        )
+        .await;
+        // The selector changed (or its sender is gone).
+        if selector.has_changed().is_err() {
+            return;
         }
     }
 }
@@ -252,28 +375,24 @@ async fn watch_pods(
 async fn watch_objectives<K>(
     api: Api<K>,
     group: ObjectiveGroup,
+    shared: Arc<Shared>,
     objectives: Arc<Objectives>,
     view: fn(&K) -> ObjectiveView,
 ) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
-    let what = match group {
-        ObjectiveGroup::LlmD => "inferenceobjectives.llm-d.ai",
-        ObjectiveGroup::XK8s => "inferenceobjectives.inference.networking.x-k8s.io",
+    let kind = match group {
+        ObjectiveGroup::LlmD => WatchKind::ObjectivesLlmD,
+        ObjectiveGroup::XK8s => WatchKind::ObjectivesXK8s,
     };
-    let mut errors = ErrorLog::new(what);
-    let mut stream = pin!(watcher(api, watcher::Config::default()).default_backoff());
-    while let Some(event) = stream.next().await {
-        match event {
-            Ok(event) => {
-                errors.ok(&event);
-                objectives.apply(group, store_event(event, |k| Some(view(k))));
-            }
-            Err(e) => errors.error(&e),
-        }
-    }
+    let never = std::future::pending::<()>();
+    watch_loop(
+        api,
+        watcher::Config::default(),
+        kind,
+        &shared,
+        pin!(never),
+        |event| objectives.apply(group, store_event(event, |k| Some(view(k)))),
+    )
+    .await;
 }
-
-#[cfg(test)]
-#[path = "watch_tests.rs"]
-mod tests;
