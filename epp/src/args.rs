@@ -58,7 +58,7 @@ pub struct Args {
     #[arg(long, value_enum, env = "KVGATE_POOL_GROUP", default_value_t = PoolGroupArg::Auto)]
     pub pool_group: PoolGroupArg,
     /// Endpoint discovery mode. `kubernetes` uses the in-cluster service account (or a
-    /// kubeconfig) and needs get/list/watch on pods, inferencepools and inferenceobjectives in
+    /// kubeconfig) and needs list and watch on pods, inferencepools and inferenceobjectives in
     /// the pool namespace; `file` reads `--endpoints-file`.
     #[arg(long, value_enum, default_value_t = Discovery::Kubernetes)]
     pub discovery: Discovery,
