@@ -21,7 +21,7 @@ pub struct Args {
     #[arg(long, default_value_t = 9092)]
     pub metrics_port: u16,
     /// Address the metrics port binds.
-    #[arg(long, default_value = "0.0.0.0")]
+    #[arg(long, env = "KVGATE_LISTEN_ADDRESS", default_value = "0.0.0.0")]
     pub metrics_bind: std::net::IpAddr,
     /// Host-memory tier (G2) capacity in bytes; 0 disables it.
     #[arg(long, default_value_t = 8 << 30)]

@@ -54,6 +54,9 @@ pub struct Args {
     /// NATS server URL.
     #[arg(long, env = "KVGATE_NATS_URL", default_value = "nats://127.0.0.1:4222")]
     pub nats_url: String,
+    /// The address the proxy and the metrics/health server listen on.
+    #[arg(long, env = "KVGATE_LISTEN_ADDRESS", default_value = "0.0.0.0")]
+    pub listen_address: std::net::IpAddr,
     /// Proxy port in front of the engine.
     #[arg(long, default_value_t = 8000)]
     pub proxy_port: u16,

@@ -7,7 +7,7 @@
 //! The :9091 server serves `health::router` and one `/metrics` page: the bridge's metrics
 //! followed by the proxy's and readiness's.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -97,7 +97,7 @@ pub async fn run(
     // One proxy per data-parallel rank: `--proxy-port` + r in front of the engine's port + r.
     let engines =
         rank_authorities(&engine, args.dp_size).map_err(cli_support::StartError::Config)?;
-    let any = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+    let any = args.listen_address;
     let mut proxies = Vec::with_capacity(engines.len());
     for (port, rank_engine) in (args.proxy_port..).zip(&engines) {
         let state = Arc::new(ProxyState {

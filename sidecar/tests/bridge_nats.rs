@@ -246,6 +246,9 @@ async fn real_vllm_frames_become_the_routers_keys() {
     );
     assert_eq!(sidecar.metric("kvgate_sidecar_gaps_total"), 0.0);
     assert!(sidecar.metric("kvgate_sidecar_events_in_total") >= 1.0);
+    // Events out are counted when an envelope is sealed (they were sampled before the seal and
+    // stayed at 0).
+    assert!(sidecar.metric("kvgate_sidecar_events_out_total") >= want.len() as f64);
 }
 
 fn fixture_frames() -> Vec<Vec<Vec<u8>>> {

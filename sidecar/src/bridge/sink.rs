@@ -71,10 +71,12 @@ impl BridgeSink {
         }
     }
 
-    /// Runs `f` on the locked bridge, then queues whatever it sealed.
+    /// Runs `f` on the locked bridge, counts what its counters gained (sealing included: the
+    /// events out are counted when an envelope is sealed), then queues whatever it sealed.
     fn with_rank(&mut self, f: impl FnOnce(&mut RankBridge)) {
         {
             let mut rank = lock(&self.rank);
+            let before = rank.stats();
             let generation = self.resync.load(Ordering::Relaxed);
             if generation != self.resync_seen {
                 self.resync_seen = generation;
@@ -88,6 +90,7 @@ impl BridgeSink {
                 );
             }
             f(&mut rank);
+            self.metrics.add_rank_delta(&before, &rank.stats());
             rank.take_sealed(&mut self.sealed);
         }
         self.send_sealed();
@@ -150,16 +153,12 @@ impl BridgeSink {
 impl FrameSink for BridgeSink {
     fn frame(&mut self, frame: Frame<'_>) {
         self.metrics.frames_in.fetch_add(1, Ordering::Relaxed);
-        let metrics = Arc::clone(&self.metrics);
         self.with_rank(|rank| {
-            let before = rank.stats();
             match rank.ingest(frame.payload, frame.received) {
                 Ok(Some(e)) => tracing::debug!(seq = frame.seq, error = %e, "engine event not normalised"),
                 Ok(None) => {}
                 Err(e) => tracing::warn!(seq = frame.seq, error = %e, "undecodable KV-event batch skipped"),
             }
-            let after = rank.stats();
-            metrics.add_rank_delta(&before, &after);
             if rank.due(Instant::now()) {
                 rank.seal();
             }
