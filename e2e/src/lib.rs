@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod compare;
+pub mod kube;
 pub mod load;
 pub mod replay_cmd;
 pub mod sim;

@@ -79,7 +79,7 @@ impl Binaries {
 
 /// The running executable's directory; a test binary in `target/<profile>/deps` maps to
 /// `target/<profile>`, where cargo puts the workspace's binaries.
-fn exe_dir() -> Result<PathBuf, StackError> {
+pub(crate) fn exe_dir() -> Result<PathBuf, StackError> {
     let exe = std::env::current_exe().map_err(|source| StackError::Io {
         what: "locating the running executable".into(),
         source,
@@ -92,7 +92,7 @@ fn exe_dir() -> Result<PathBuf, StackError> {
     })
 }
 
-fn existing(name: &str, path: PathBuf, hint: &str) -> Result<PathBuf, StackError> {
+pub(crate) fn existing(name: &str, path: PathBuf, hint: &str) -> Result<PathBuf, StackError> {
     if path.is_file() {
         Ok(path)
     } else {
@@ -105,7 +105,7 @@ fn existing(name: &str, path: PathBuf, hint: &str) -> Result<PathBuf, StackError
 }
 
 /// `$KVGATE_ENVOY`, else `<workspace>/.venv/lib/python3*/site-packages/envoy/_bin/envoy`.
-fn venv_envoy() -> Result<PathBuf, StackError> {
+pub(crate) fn venv_envoy() -> Result<PathBuf, StackError> {
     if let Some(p) = std::env::var_os("KVGATE_ENVOY") {
         return existing("envoy", PathBuf::from(p), "KVGATE_ENVOY names no file");
     }
@@ -147,7 +147,7 @@ pub(crate) fn peer_router(router: Router) -> Result<PathBuf, StackError> {
 
 /// `program` itself when it has a directory part, else the first match on `PATH` or in
 /// `/usr/sbin` and `/usr/local/sbin` (Debian's nats-server lives in /usr/sbin).
-fn on_path(program: &Path) -> Option<PathBuf> {
+pub(crate) fn on_path(program: &Path) -> Option<PathBuf> {
     if program.components().count() > 1 {
         return program.is_file().then(|| program.to_path_buf());
     }

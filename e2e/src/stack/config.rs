@@ -290,6 +290,8 @@ pub enum Component {
     Sidecar(usize),
     /// `kvgate-epp`.
     Epp,
+    /// EPP replica `i` of the Kubernetes stack (`crate::kube`).
+    EppReplica(usize),
     /// Envoy.
     Envoy,
     /// A peer router in place of Envoy and the EPP.
@@ -312,6 +314,7 @@ impl fmt::Display for Component {
             Component::Engine(i) => write!(f, "engine-{i}"),
             Component::Sidecar(i) => write!(f, "sidecar-{i}"),
             Component::Epp => f.write_str("epp"),
+            Component::EppReplica(i) => write!(f, "epp-{i}"),
             Component::Envoy => f.write_str("envoy"),
             Component::Router => f.write_str("router"),
         }

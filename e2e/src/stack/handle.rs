@@ -295,11 +295,13 @@ impl Stack {
             // published before the EPP subscribes is lost to it until that source publishes
             // again, so a stack handed out earlier could route a prefix it was just told of
             // without knowing.
-            Component::Epp => page(ports.epp_metrics, "/metrics").is_ok_and(|p| {
-                !nats_events
-                    || !probe::tcp_open(ports.nats, PROBE_TIMEOUT)
-                    || probe::metric_sum(&p, "kvgate_epp_nats_connected").is_some_and(|v| v >= 1.0)
-            }),
+            Component::Epp | Component::EppReplica(_) => page(ports.epp_metrics, "/metrics")
+                .is_ok_and(|p| {
+                    !nats_events
+                        || !probe::tcp_open(ports.nats, PROBE_TIMEOUT)
+                        || probe::metric_sum(&p, "kvgate_epp_nats_connected")
+                            .is_some_and(|v| v >= 1.0)
+                }),
             Component::Envoy => ok(ports.envoy_admin, "/ready"),
             Component::Router => ok(ports.envoy_listen, "/health"),
         }
@@ -442,7 +444,7 @@ impl Stack {
                 ]);
                 (self.bins.sidecar.clone(), args, rust_env)
             }
-            Component::Epp => {
+            Component::Epp | Component::EppReplica(_) => {
                 let mut args = strings(&[
                     "--pool-name",
                     &c.pool,

@@ -26,12 +26,28 @@ pub fn http_request(
     path: &str,
     timeout: Duration,
 ) -> std::io::Result<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], port)), timeout)?;
+    http_request_at(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        method,
+        path,
+        timeout,
+    )
+}
+
+/// [`http_request`] to any address (a pod's loopback address in the Kubernetes stack).
+pub fn http_request_at(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    timeout: Duration,
+) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, timeout)?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nhost: {}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+        addr.ip()
     )?;
     let mut raw = Vec::new();
     s.take(MAX_PROBE_BYTES).read_to_end(&mut raw)?;

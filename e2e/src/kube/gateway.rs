@@ -1,0 +1,175 @@
+//! The gateway in front of the pool, as Envoy AI Gateway configures Envoy for an HTTPRoute whose
+//! backend is an InferencePool (`manifests/gateways/envoy-ai-gateway/`): the HTTPRoute's path
+//! prefixes and request timeout; an ext_proc filter calling the EPP Service with request and
+//! response bodies `FULL_DUPLEX_STREAMED`, trailers sent, a 300 s message timeout and
+//! fail-closed (Envoy AI Gateway ignores the pool's failure mode); the EPP cluster over HTTP/2
+//! and TLS without certificate verification (the EPP's certificate is self-signed); and an
+//! `ORIGINAL_DST` cluster that sends each request to the `x-gateway-destination-endpoint`
+//! header. Two response headers are added for the tests: the upstream Envoy used and the
+//! header's value. Pure.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// What the configuration needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GatewayConfig {
+    /// The listener.
+    pub listen: SocketAddr,
+    /// Envoy's admin port (on the listener's address).
+    pub admin_port: u16,
+    /// The EPP Service's endpoints (each EPP pod's ext_proc address).
+    pub epp: Vec<SocketAddr>,
+    /// TLS to the EPP (the chart's default).
+    pub epp_tls: bool,
+    /// The HTTPRoute's path prefixes.
+    pub paths: Vec<String>,
+    /// The HTTPRoute's request timeout.
+    pub request_timeout: Duration,
+}
+
+/// The upstream Envoy sent a request to (response header added for tests).
+pub const UPSTREAM_HEADER: &str = "x-kvgate-upstream";
+/// The destination header as the EPP set it (response header added for tests).
+pub const DESTINATION_HEADER: &str = "x-kvgate-destination";
+
+/// Envoy's bootstrap.
+pub fn envoy_yaml(c: &GatewayConfig) -> String {
+    let mut routes = String::new();
+    for p in &c.paths {
+        let _ = write!(
+            routes,
+            r#"              - match: {{ prefix: "{p}" }}
+                route: {{ cluster: pool, timeout: {timeout}s, auto_host_rewrite: false }}
+                response_headers_to_add:
+                - header: {{ key: {UPSTREAM_HEADER}, value: "%UPSTREAM_HOST%" }}
+                - header: {{ key: {DESTINATION_HEADER}, value: "%REQ(x-gateway-destination-endpoint)%" }}
+"#,
+            timeout = c.request_timeout.as_secs(),
+        );
+    }
+    let mut epp_hosts = String::new();
+    for a in &c.epp {
+        let _ = writeln!(
+            epp_hosts,
+            "        - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}",
+            a.ip(),
+            a.port()
+        );
+    }
+    let tls = if c.epp_tls {
+        r#"    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context: { validation_context: {} }
+"#
+    } else {
+        ""
+    };
+    format!(
+        r#"# The gateway as Envoy AI Gateway configures an InferencePool backend (written by kvgate's Kubernetes stack).
+admin: {{ address: {{ socket_address: {{ address: {ip}, port_value: {admin} }} }} }}
+static_resources:
+  listeners:
+  - name: gateway
+    address: {{ socket_address: {{ address: {ip}, port_value: {listen} }} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: gateway
+          access_log:
+          - name: envoy.access_loggers.stdout
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog
+              log_format: {{ text_format_source: {{ inline_string: "ACCESS status=%RESPONSE_CODE% path=%REQ(:PATH)% upstream=%UPSTREAM_HOST% picked=%REQ(x-gateway-destination-endpoint)% flags=%RESPONSE_FLAGS% ms=%DURATION%\n" }} }}
+          route_config:
+            name: httproute
+            virtual_hosts:
+            - name: pool
+              domains: ["*"]
+              routes:
+{routes}          http_filters:
+          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc: {{ cluster_name: epp }}
+              failure_mode_allow: false
+              processing_mode:
+                request_header_mode: SEND
+                request_body_mode: FULL_DUPLEX_STREAMED
+                request_trailer_mode: SEND
+                response_header_mode: SEND
+                response_body_mode: FULL_DUPLEX_STREAMED
+                response_trailer_mode: SEND
+              message_timeout: 300s
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: pool
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 10s
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: x-gateway-destination-endpoint
+  - name: epp
+    type: STATIC
+    lb_policy: LEAST_REQUEST
+    connect_timeout: 10s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+{tls}    load_assignment:
+      cluster_name: epp
+      endpoints:
+      - lb_endpoints:
+{epp_hosts}"#,
+        ip = c.listen.ip(),
+        admin = c.admin_port,
+        listen = c.listen.port(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_gateway_routes_the_openai_paths_through_the_epp() {
+        let c = GatewayConfig {
+            listen: "127.0.0.1:8080".parse().unwrap(),
+            admin_port: 8081,
+            epp: vec![
+                "127.0.1.2:9002".parse().unwrap(),
+                "127.0.1.3:9002".parse().unwrap(),
+            ],
+            epp_tls: true,
+            paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
+            request_timeout: Duration::from_secs(300),
+        };
+        let y = envoy_yaml(&c);
+        assert!(y.contains(r#"prefix: "/v1/chat/completions""#));
+        assert!(y.contains("timeout: 300s"));
+        assert!(y.contains("address: 127.0.1.3, port_value: 9002"));
+        assert!(y.contains("UpstreamTlsContext"));
+        assert!(y.contains("request_body_mode: FULL_DUPLEX_STREAMED"));
+        assert!(y.contains("ORIGINAL_DST"));
+        assert!(
+            !y.contains(r#"prefix: "/""#),
+            "nothing but the route's paths"
+        );
+        let plain = envoy_yaml(&GatewayConfig {
+            epp_tls: false,
+            ..c
+        });
+        assert!(!plain.contains("UpstreamTlsContext"));
+    }
+}
