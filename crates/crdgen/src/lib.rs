@@ -7,8 +7,11 @@
 //!   the operator's `PoolAutoscaler` will be the first.
 //! - **test copies**: the upstream CRDs kvgate reads (the Gateway API Inference Extension's
 //!   `InferencePool` in both versions, the two `InferenceObjective` groups), generated from
-//!   `crates/api`'s types, whose schema attributes reproduce upstream's validation. They live in
-//!   `e2e/crds/` and are installed into the test API server; users install the upstream CRDs.
+//!   `crates/api`'s types, whose schema attributes reproduce upstream's validation; and the
+//!   Gateway API's `GatewayClass`, `Gateway` and `HTTPRoute` (standard channel) from the
+//!   `gateway-api` crate's types, which carry upstream's fields, enums and patterns but not its
+//!   CEL rules or defaults. They live in `e2e/crds/` and are installed into the test API server;
+//!   users install the upstream CRDs.
 //!
 //! [`documents`] renders every file; the binary writes them and `--check` (and the crate's
 //! drift test) fails when a committed copy differs from what the code generates. Pure: no I/O
@@ -16,8 +19,14 @@
 
 use api::objective::{llm_d, x_k8s};
 use api::pool::{v1, v1alpha2};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use gateway_api::apis::standard::{gatewayclasses, gateways, httproutes};
 use kube::CustomResourceExt;
+use kube4::CustomResourceExt as _;
+
+/// The Gateway API release the `gateway-api` crate's types follow.
+pub const GATEWAY_API_BUNDLE: &str = "v1.5.1";
+/// Upstream's `api-approved.kubernetes.io` value for the Gateway API (a protected group).
+pub const GATEWAY_API_APPROVED: &str = "https://github.com/kubernetes-sigs/gateway-api/pull/1538";
 
 /// Where the test copies are committed, relative to the workspace root.
 pub const TEST_COPIES_DIR: &str = "e2e/crds";
@@ -36,6 +45,15 @@ pub enum GenError {
         #[source]
         source: serde_yaml_ng::Error,
     },
+    /// The CRD did not convert to JSON.
+    #[error("{name}: {source}")]
+    Json {
+        /// The CRD's name.
+        name: String,
+        /// The serialiser's error.
+        #[source]
+        source: serde_json::Error,
+    },
 }
 
 /// One generated file.
@@ -49,19 +67,68 @@ pub struct Document {
 
 /// Every generated file, in a fixed order.
 pub fn documents() -> Result<Vec<Document>, GenError> {
+    let gateway_api = |name: &str, crd: Result<serde_json::Value, serde_json::Error>| {
+        crd.map(|mut c| {
+            let a = &mut c["metadata"]["annotations"];
+            a["api-approved.kubernetes.io"] = GATEWAY_API_APPROVED.into();
+            a["gateway.networking.k8s.io/bundle-version"] = GATEWAY_API_BUNDLE.into();
+            a["gateway.networking.k8s.io/channel"] = "standard".into();
+            c
+        })
+        .map_err(|source| GenError::Json {
+            name: name.to_owned(),
+            source,
+        })
+    };
+    let json = |name: &str, crd: Result<serde_json::Value, serde_json::Error>| {
+        crd.map_err(|source| GenError::Json {
+            name: name.to_owned(),
+            source,
+        })
+    };
     let test_copies = [
-        (v1::InferencePool::crd(), "api::pool::v1::InferencePool"),
         (
-            v1alpha2::InferencePool::crd(),
+            json("v1", serde_json::to_value(v1::InferencePool::crd()))?,
+            "api::pool::v1::InferencePool",
+        ),
+        (
+            json(
+                "v1alpha2",
+                serde_json::to_value(v1alpha2::InferencePool::crd()),
+            )?,
             "api::pool::v1alpha2::InferencePool",
         ),
         (
-            llm_d::InferenceObjective::crd(),
+            json(
+                "llm-d",
+                serde_json::to_value(llm_d::InferenceObjective::crd()),
+            )?,
             "api::objective::llm_d::InferenceObjective",
         ),
         (
-            x_k8s::InferenceObjective::crd(),
+            json(
+                "x-k8s",
+                serde_json::to_value(x_k8s::InferenceObjective::crd()),
+            )?,
             "api::objective::x_k8s::InferenceObjective",
+        ),
+        (
+            gateway_api(
+                "GatewayClass",
+                serde_json::to_value(gatewayclasses::GatewayClass::crd()),
+            )?,
+            "gateway_api::apis::standard::gatewayclasses::GatewayClass",
+        ),
+        (
+            gateway_api("Gateway", serde_json::to_value(gateways::Gateway::crd()))?,
+            "gateway_api::apis::standard::gateways::Gateway",
+        ),
+        (
+            gateway_api(
+                "HTTPRoute",
+                serde_json::to_value(httproutes::HttpRoute::crd()),
+            )?,
+            "gateway_api::apis::standard::httproutes::HttpRoute",
         ),
     ];
     test_copies
@@ -76,12 +143,15 @@ enum Origin {
 }
 
 fn render(
-    crd: &CustomResourceDefinition,
+    crd: &serde_json::Value,
     from: &str,
     dir: &str,
     origin: Origin,
 ) -> Result<Document, GenError> {
-    let name = crd.metadata.name.clone().unwrap_or_default();
+    let name = crd["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
     let yaml = serde_yaml_ng::to_string(crd).map_err(|source| GenError::Yaml {
         name: name.clone(),
         source,
@@ -122,6 +192,9 @@ mod tests {
                 "e2e/crds/inferencepools.inference.networking.x-k8s.io.yaml",
                 "e2e/crds/inferenceobjectives.llm-d.ai.yaml",
                 "e2e/crds/inferenceobjectives.inference.networking.x-k8s.io.yaml",
+                "e2e/crds/gatewayclasses.gateway.networking.k8s.io.yaml",
+                "e2e/crds/gateways.gateway.networking.k8s.io.yaml",
+                "e2e/crds/httproutes.gateway.networking.k8s.io.yaml",
             ]
         );
         assert!(docs.iter().all(|d| d.text.starts_with("# Generated by")));

@@ -26,9 +26,7 @@ pub async fn install_dir(
         .map(|e| e.path())
         .filter(|p| {
             p.extension().is_some_and(|x| x == "yaml")
-                && p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(&keep)
+                && p.file_name().and_then(|n| n.to_str()).is_some_and(&keep)
         })
         .collect();
     files.sort();
