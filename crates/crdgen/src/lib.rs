@@ -69,10 +69,23 @@ pub struct Document {
 pub fn documents() -> Result<Vec<Document>, GenError> {
     let gateway_api = |name: &str, crd: Result<serde_json::Value, serde_json::Error>| {
         crd.map(|mut c| {
-            let a = &mut c["metadata"]["annotations"];
-            a["api-approved.kubernetes.io"] = GATEWAY_API_APPROVED.into();
-            a["gateway.networking.k8s.io/bundle-version"] = GATEWAY_API_BUNDLE.into();
-            a["gateway.networking.k8s.io/channel"] = "standard".into();
+            if let Some(meta) = c.get_mut("metadata").and_then(|m| m.as_object_mut()) {
+                let annotations = meta
+                    .entry("annotations")
+                    .or_insert_with(|| serde_json::json!({}));
+                if let Some(a) = annotations.as_object_mut() {
+                    for (k, v) in [
+                        ("api-approved.kubernetes.io", GATEWAY_API_APPROVED),
+                        (
+                            "gateway.networking.k8s.io/bundle-version",
+                            GATEWAY_API_BUNDLE,
+                        ),
+                        ("gateway.networking.k8s.io/channel", "standard"),
+                    ] {
+                        a.insert(k.to_owned(), v.into());
+                    }
+                }
+            }
             c
         })
         .map_err(|source| GenError::Json {
@@ -148,8 +161,9 @@ fn render(
     dir: &str,
     origin: Origin,
 ) -> Result<Document, GenError> {
-    let name = crd["metadata"]["name"]
-        .as_str()
+    let name = crd
+        .pointer("/metadata/name")
+        .and_then(|n| n.as_str())
         .unwrap_or_default()
         .to_owned();
     let yaml = serde_yaml_ng::to_string(crd).map_err(|source| GenError::Yaml {
