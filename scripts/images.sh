@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds kvgate's container images without a Docker daemon, then checks each one.
 #
-#   scripts/images.sh [--only epp,sidecar,kvbm,sim] [--out DIR] [--skip-build]
+#   scripts/images.sh [--only epp,sidecar,kvbm,sim] [--out DIR] [--skip-build | --check-only]
 #
 # For each image: the distroless/cc-style Debian bookworm root made by images/rootfs.sh
 # (mmdebstrap, from Debian's packages; one root, the first layer of all four) and the release
@@ -16,9 +16,10 @@
 # labels), its files (no setuid/setgid file, no file capability, no shell, nothing writable
 # by others but /tmp, the CA bundle), and runs `<binary> --help` from the image's root the way
 # a kvgate pod runs it: as 65532:65532, no capabilities, no_new_privs, read-only root, the
-# image's environment, every symbol bound at load (LD_BIND_NOW). The block manager's image is
-# also started for real: remote tier over TLS (its CA roots must load), disk and socket on a
-# mounted tmpfs, a real nats-server; ready, then SIGTERM, exit 0.
+# image's environment, every symbol bound at load (LD_BIND_NOW). Two images also serve for
+# real that way: the block manager (remote tier over TLS, so its CA roots must load; disk and
+# socket on a mounted tmpfs; a real nats-server; ready, then SIGTERM, exit 0) and the
+# simulator (KV events over ZMQ; healthy, a completion answered, then SIGTERM, exit 0).
 #
 # Needs root (mmdebstrap, umoci, mount namespaces): run as a user with sudo and the images
 # are made under sudo after cargo has built the binaries. Installs what it needs from Debian
@@ -39,6 +40,9 @@ Options:
   --only LIST    images to build, comma-separated: epp, sidecar, kvbm, sim (default: all four)
   --out DIR      output directory (default: $CARGO_TARGET_DIR/images or target/images)
   --skip-build   use the release binaries already built instead of running cargo
+  --check-only   build nothing: check the OCI layouts DIR/<name> (tag <version>) already
+                 there, e.g. images built by Docker and copied out with
+                 skopeo copy docker-daemon:<image> oci:DIR/<name>:<version>
   -h, --help     this text
 EOF
 }
@@ -47,6 +51,7 @@ all=(epp sidecar kvbm sim)
 only=
 out=
 skip_build=0
+check_only=0
 while [ $# -gt 0 ]; do
   case $1 in
     --only) [ $# -ge 2 ] || die "--only needs a list"; only=$2; shift 2 ;;
@@ -54,6 +59,7 @@ while [ $# -gt 0 ]; do
     --out) [ $# -ge 2 ] || die "--out needs a directory"; out=$2; shift 2 ;;
     --out=*) out=${1#*=}; shift ;;
     --skip-build) skip_build=1; shift ;;
+    --check-only) check_only=1; skip_build=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument: $1" ;;
   esac
@@ -94,8 +100,12 @@ if [ "$skip_build" -eq 0 ]; then
   say "release binaries built in $((SECONDS - build_started)) s"
 fi
 for c in "${selected[@]}"; do
-  [ -x "$target_dir/release/kvgate-$c" ] ||
-    die "$target_dir/release/kvgate-$c is missing (run without --skip-build)"
+  if [ "$check_only" -eq 1 ]; then
+    [ -f "$out/kvgate-$c/index.json" ] || die "no OCI layout $out/kvgate-$c to check"
+  else
+    [ -x "$target_dir/release/kvgate-$c" ] ||
+      die "$target_dir/release/kvgate-$c is missing (run without --skip-build)"
+  fi
 done
 
 # Everything below needs root; a user with sudo goes on under sudo with the binaries built.
@@ -103,7 +113,8 @@ if [ "$(id -u)" -ne 0 ]; then
   command -v sudo >/dev/null || die "needs root for mmdebstrap, umoci and mount namespaces"
   say "going on under sudo"
   exec sudo --preserve-env=CARGO_TARGET_DIR,KVGATE_IMAGE_REGISTRY,KVGATE_DEBIAN_MIRROR,KVGATE_DEBIAN_SECURITY_MIRROR \
-    "$self" --skip-build --only "$(IFS=,; echo "${selected[*]}")" --out "$out"
+    "$self" "$([ "$check_only" -eq 1 ] && echo --check-only || echo --skip-build)" \
+    --only "$(IFS=,; echo "${selected[*]}")" --out "$out"
 fi
 
 # --- Tools (Debian packages) --------------------------------------------------------------
@@ -157,7 +168,21 @@ labels_of() {
 
 # --- Runtime root -------------------------------------------------------------------------
 rootfs="$work/rootfs"
-"$root/images/rootfs.sh" "$rootfs"
+
+# A layer: the directory's entries as an uncompressed tar, sorted, numeric owners, without
+# atime and ctime. (umoci insert would make the layers itself, but umoci 0.4.7's end them
+# short of the tar trailer: Go's reader accepts that, GNU tar and Python's tarfile do not.)
+layer_tar() {
+  local dir=$1 file=$2 entries
+  mapfile -t entries < <(cd "$dir" && LC_ALL=C ls -A)
+  tar --create --file "$file" --directory "$dir" --sort=name --numeric-owner --format=posix \
+    --pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime "${entries[@]}"
+}
+
+if [ "$check_only" -eq 0 ]; then
+  "$root/images/rootfs.sh" "$rootfs"
+  layer_tar "$rootfs" "$work/rootfs.tar" # one blob, the same in every image
+fi
 
 # --- Images -------------------------------------------------------------------------------
 build_image() {
@@ -171,8 +196,11 @@ build_image() {
   chmod 0755 "$stage/usr/local/bin/$name"
   umoci init --layout "$layout"
   umoci new --image "$layout:$version"
-  umoci insert --image "$layout:$version" --history.created_by "images/rootfs.sh" "$rootfs" /
-  umoci insert --image "$layout:$version" --history.created_by "$name release binary" "$stage" /
+  layer_tar "$stage" "$work/bin-$c.tar"
+  umoci raw add-layer --image "$layout:$version" --history.created_by "images/rootfs.sh" \
+    "$work/rootfs.tar"
+  umoci raw add-layer --image "$layout:$version" --history.created_by "$name release binary" \
+    "$work/bin-$c.tar"
   while IFS= read -r label; do config+=(--config.label "$label"); done < <(labels_of "$name")
   [ ${#config[@]} -ge 16 ] || die "images/Dockerfile: too few labels for stage $name"
   umoci config --image "$layout:$version" --os linux --architecture "$arch" \
@@ -218,49 +246,92 @@ sandbox() {
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-# The block manager, started for real from its image; see the header.
-kvbm_smoke() {
-  local r=$1 log=$2 nats_port metrics_port closed_port nats_pid kvbm_pid child next i rc
-  nats_port=$(free_port)
-  metrics_port=$(free_port)
-  closed_port=$(free_port) # nothing listens there: the remote tier is unreachable, not broken
-  nats-server -a 127.0.0.1 -p "$nats_port" >"$log.nats" 2>&1 &
-  nats_pid=$!
-  SANDBOX_TMPFS=1 sandbox "$r" "/usr/local/bin/kvgate-kvbm" \
-    --socket /tmp/run/kvbm.sock --disk-dir /tmp/disk --disk-bytes 16777216 \
-    --host-bytes 16777216 --remote-url "rediss://127.0.0.1:$closed_port" \
-    --nats-url "nats://127.0.0.1:$nats_port" --metrics-bind 127.0.0.1 \
-    --metrics-port "$metrics_port" --namespace images --node check --model check \
-    >"$log" 2>&1 &
-  kvbm_pid=$!
-  rc=1
-  for i in $(seq 1 100); do
-    if curl -fsS "http://127.0.0.1:$metrics_port/readyz" >/dev/null 2>&1; then rc=0; break; fi
-    kill -0 "$kvbm_pid" 2>/dev/null || break
+# Starts a server from an unpacked image's root in the sandbox (a tmpfs on /tmp) and waits
+# until URL answers 200. Sets server_pid (the sandbox's subshell) and server (the server
+# itself: PID 1 of its namespace, the end of the chain subshell → unshare → server, the rest
+# exec'd; the process a kubelet would signal).
+server_start() {
+  local r=$1 log=$2 url=$3 _ next
+  shift 3
+  SANDBOX_TMPFS=1 sandbox "$r" "$@" >"$log" 2>&1 &
+  server_pid=$!
+  server=
+  for _ in $(seq 1 300); do
+    if curl -fsS "$url" >/dev/null 2>&1; then
+      server=$server_pid
+      while next=$(pgrep -P "$server" | head -n 1) && [ -n "$next" ]; do server=$next; done
+      return 0
+    fi
+    kill -0 "$server_pid" 2>/dev/null || break
     sleep 0.1
   done
-  # The daemon is PID 1 of its namespace, the last of the chain subshell → unshare → daemon
-  # (the rest exec'd); it is the one to signal, as a kubelet would.
-  child=$kvbm_pid
-  while next=$(pgrep -P "$child" | head -n 1) && [ -n "$next" ]; do child=$next; done
-  if [ "$rc" -eq 0 ]; then
-    kill -TERM "$child"
-    for i in $(seq 1 100); do kill -0 "$kvbm_pid" 2>/dev/null || break; sleep 0.1; done
-    if kill -0 "$kvbm_pid" 2>/dev/null; then
-      echo "images: still running 10 s after SIGTERM" >>"$log"; kill -KILL "$child"; rc=1
-    fi
-    wait "$kvbm_pid" || rc=$?
+  echo "images: $url never answered 200" >>"$log"
+  server_kill
+  return 1
+}
+server_kill() {
+  local next
+  if [ -z "$server" ]; then
+    server=$server_pid
+    while next=$(pgrep -P "$server" | head -n 1) && [ -n "$next" ]; do server=$next; done
+  fi
+  kill -KILL "$server" 2>/dev/null || true
+  wait "$server_pid" 2>/dev/null || true
+}
+# SIGTERM to the server; it must exit 0 within 10 s.
+server_stop() {
+  local log=$1 _ rc=0
+  kill -TERM "$server"
+  for _ in $(seq 1 100); do kill -0 "$server_pid" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$server_pid" 2>/dev/null; then
+    echo "images: still running 10 s after SIGTERM" >>"$log"
+    server_kill
+    return 1
+  fi
+  wait "$server_pid" || rc=$?
+  [ "$rc" -eq 0 ] || { echo "images: exit status $rc after SIGTERM" >>"$log"; return 1; }
+}
+
+# The block manager from its image: disk tier and socket on the tmpfs, a remote tier over TLS
+# (the system's CA roots must load before it connects; nothing listens there, so the tier is
+# unreachable, not broken), a real nats-server; ready (NATS connected), then SIGTERM, exit 0.
+kvbm_smoke() {
+  local r=$1 log=$2 nats_port metrics_port nats_pid rc=0
+  nats_port=$(free_port)
+  metrics_port=$(free_port)
+  nats-server -a 127.0.0.1 -p "$nats_port" >"$log.nats" 2>&1 &
+  nats_pid=$!
+  if server_start "$r" "$log" "http://127.0.0.1:$metrics_port/readyz" /usr/local/bin/kvgate-kvbm \
+    --socket /tmp/run/kvbm.sock --disk-dir /tmp/disk --disk-bytes 16777216 \
+    --host-bytes 16777216 --remote-url "rediss://127.0.0.1:$(free_port)" \
+    --nats-url "nats://127.0.0.1:$nats_port" --metrics-bind 127.0.0.1 \
+    --metrics-port "$metrics_port" --namespace images --node check --model check; then
+    server_stop "$log" || rc=1
   else
-    kill -KILL "$child" 2>/dev/null || true
-    wait "$kvbm_pid" || true
-    echo "images: /readyz never answered 200 ($i tries)" >>"$log"
     rc=1
   fi
   kill "$nats_pid" 2>/dev/null || true
   wait "$nats_pid" 2>/dev/null || true
   [ "$rc" -eq 0 ] || return 1
-  grep -q 'remote store unreachable' "$log" || { echo "images: no remote-tier warning: the TLS set-up did not run" >>"$log"; return 1; }
+  grep -q 'remote store unreachable' "$log" || { echo "images: the remote tier's TLS set-up did not run" >>"$log"; return 1; }
   grep -q 'disk tier ready' "$log" || { echo "images: the disk tier did not open" >>"$log"; return 1; }
+}
+
+# The simulator from its image, publishing KV events over ZMQ (libzmq, C++): healthy, a
+# completion answered, then SIGTERM, exit 0.
+sim_smoke() {
+  local r=$1 log=$2 port rc=0 reply
+  port=$(free_port)
+  server_start "$r" "$log" "http://127.0.0.1:$port/health" /usr/local/bin/kvgate-sim \
+    --host 127.0.0.1 --port "$port" --model check --kv-events-config \
+    "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://127.0.0.1:$(free_port)\",\"replay_endpoint\":\"tcp://127.0.0.1:$(free_port)\"}" ||
+    return 1
+  reply=$(curl -fsS "http://127.0.0.1:$port/v1/completions" -H 'content-type: application/json' \
+    -d '{"model":"check","prompt":"hello from the image check","max_tokens":4}' 2>&1) || rc=1
+  server_stop "$log" || rc=1
+  grep -q '"completion_tokens":4' <<<"$reply" || { echo "images: completion: $reply" >>"$log"; rc=1; }
+  grep -q 'publishing KV events' "$log" || { echo "images: no KV-event publisher" >>"$log"; rc=1; }
+  return "$rc"
 }
 
 # Every check of one image; prints what fails and returns non-zero if anything did.
@@ -270,6 +341,7 @@ check_image() {
   fail() { say "$name: FAIL: $*"; fails=$((fails + 1)); }
   umoci unpack --image "$layout:$version" "$bundle" >/dev/null
   local r="$bundle/rootfs"
+  unpacked[$c]=$(du -sb --apparent-size "$r" | cut -f1)
   cfg=$(blob "$layout" "$(jq -r .config.digest "$(blob "$layout" "$(manifest_digest "$layout")")")")
   [ "$(jq -r .config.User "$cfg")" = 65532:65532 ] || fail "config User is $(jq -r .config.User "$cfg")"
   [ "$(jq -c .config.Entrypoint "$cfg")" = "[\"/usr/local/bin/$name\"]" ] ||
@@ -277,9 +349,22 @@ check_image() {
   [ "$(jq -c .config.Cmd "$cfg")" = null ] || fail "config Cmd is $(jq -c .config.Cmd "$cfg")"
   [ "$(jq -r '.config.Labels["org.opencontainers.image.title"]' "$cfg")" = "$name" ] || fail "label title"
   [ "$(jq -r '.config.Labels["org.opencontainers.image.version"]' "$cfg")" = "$version" ] || fail "label version"
-  [ "$(jq -r '.config.Labels["org.opencontainers.image.revision"]' "$cfg")" = "$revision" ] || fail "label revision"
+  f=$(jq -r '.config.Labels["org.opencontainers.image.revision"] // ""' "$cfg")
+  if [ "$check_only" -eq 1 ]; then
+    case $f in "" | unknown) fail "label revision is '$f' (docker build --build-arg REVISION=…)" ;; esac
+  else
+    [ "$f" = "$revision" ] || fail "label revision is '$f', not $revision"
+  fi
   [ "$(jq -r '.os + "/" + .architecture' "$cfg")" = "linux/$arch" ] || fail "platform"
 
+  # Every layer a complete archive: GNU tar reads it to its end-of-archive trailer.
+  while IFS=' ' read -r f d; do
+    case $f in
+      *tar+gzip) gzip -dc "$(blob "$layout" "$d")" | tar -t >/dev/null 2>&1 || fail "layer $d is not a complete tar" ;;
+      *tar) tar -tf "$(blob "$layout" "$d")" >/dev/null 2>&1 || fail "layer $d is not a complete tar" ;;
+      *) fail "layer $d: media type $f not checked" ;;
+    esac
+  done < <(jq -r '.layers[] | .mediaType + " " + .digest' "$(blob "$layout" "$(manifest_digest "$layout")")")
   f=$(find "$r" -xdev -perm /6000 -printf '/%P ')
   [ -z "$f" ] || fail "setuid/setgid files: $f"
   f=$(getcap -r "$r" 2>/dev/null)
@@ -305,10 +390,10 @@ check_image() {
   elif ! grep -q "^Usage: $name " "$help_out"; then
     fail "$name --help printed no 'Usage: $name' line: $(head -c 600 "$help_out")"
   fi
-  if [ "$c" = kvbm ]; then
-    kvbm_smoke "$r" "$work/kvbm-smoke.log" ||
-      fail "the daemon's start-up from the image: $(tail -n 20 "$work/kvbm-smoke.log")"
-  fi
+  case $c in
+    kvbm) kvbm_smoke "$r" "$work/smoke-$c.log" || fail "serving from the image: $(tail -n 20 "$work/smoke-$c.log")" ;;
+    sim) sim_smoke "$r" "$work/smoke-$c.log" || fail "serving from the image: $(tail -n 20 "$work/smoke-$c.log")" ;;
+  esac
   chmod -R u+w "$bundle"
   rm -rf "$bundle"
   [ "$fails" -eq 0 ]
@@ -318,12 +403,13 @@ declare -A result=() size=() unpacked=() digest=()
 status=0
 for c in "${selected[@]}"; do
   name="kvgate-$c"
-  say "building $registry/$name:$version"
-  build_image "$c"
+  if [ "$check_only" -eq 0 ]; then
+    say "building $registry/$name:$version"
+    build_image "$c"
+  fi
   m=$(manifest_digest "$out/$name")
   digest[$c]=$m
   size[$c]=$(jq '([.layers[].size] | add) + .config.size' "$(blob "$out/$name" "$m")")
-  unpacked[$c]=$(du -sb --apparent-size "$rootfs" "$work/bin-$c" | awk '{ s += $1 } END { print s }')
   say "checking $name"
   if check_image "$c"; then result[$c]=ok; else result[$c]=FAILED; status=1; fi
 done
@@ -334,5 +420,9 @@ for c in "${selected[@]}"; do
   printf '%-40s %12s %12s  %-19s %s\n' "$registry/kvgate-$c:$version" \
     "$(mib "${size[$c]}")" "$(mib "${unpacked[$c]}")" "${digest[$c]:0:19}" "${result[$c]}"
 done
-printf '\nOCI layouts and docker archives in %s; %d s in all\n' "$out" "$((SECONDS - started))"
+if [ "$check_only" -eq 1 ]; then
+  printf '\nchecked the OCI layouts in %s; %d s in all\n' "$out" "$((SECONDS - started))"
+else
+  printf '\nOCI layouts and docker archives in %s; %d s in all\n' "$out" "$((SECONDS - started))"
+fi
 exit "$status"
