@@ -103,6 +103,18 @@ async fn the_chart_routes_a_request_end_to_end_and_follows_every_change() {
     );
     assert!(metric(&stack, "kvgate_epp_requests_routed_total") >= 1.0);
 
+    // KV events flow engine → sidecar → NATS → EPP, and a shared prefix sticks to its pod.
+    let system = "You are the assistant of the Kubernetes test; answer briefly. ".repeat(20);
+    let first = send(&stack, &system, "first question");
+    assert!(first.ok(), "{first:?}");
+    until_metric(&stack, "KV events applied", |p| {
+        probe::metric_sum(p, "kvgate_epp_nats_envelopes_applied_total").is_some_and(|v| v > 0.0)
+    });
+    let second = send(&stack, &system, "second question");
+    assert!(second.ok(), "{second:?}");
+    assert_eq!(second.upstream(), first.upstream(), "the prefix's pod");
+    assert!(second.cached_tokens() > 0, "{second:?}");
+
     let mut timings: Vec<(&str, Duration)> = Vec::new();
     let servers = model_servers(&stack);
     let (a, a_addr) = servers[0].clone();

@@ -424,6 +424,13 @@ impl KubeStack {
             .collect()
     }
 
+    /// The EPP replica `n`'s metrics URL.
+    pub fn epp_metrics_url(&self, n: usize) -> Option<String> {
+        let pod = self.pods.values().find(|p| p.kind == PodKind::Epp(n))?;
+        let port = self.epp_port("http-metrics").unwrap_or(9090);
+        Some(format!("http://{}:{port}/metrics", pod.ctx.ip))
+    }
+
     /// The EPP replica `n`'s metrics page.
     pub fn epp_metrics(&self, n: usize) -> std::io::Result<String> {
         let pod = self

@@ -8,9 +8,10 @@
 //!   command line. Other images are refused.
 //! - **Pod network.** Each pod gets a loopback address of its own (`127.x.y.z`). Pods share this
 //!   machine's loopback, so what a pod means by "itself" is rewritten to its address: in
-//!   arguments `127.0.0.1`, `localhost` in URLs, `0.0.0.0` and ZMQ's `tcp://*:` become the pod's
-//!   IP, and every process gets `KVGATE_LISTEN_ADDRESS=<pod IP>` for the servers it binds on all
-//!   interfaces.
+//!   arguments `127.0.0.1`, `localhost` in URLs and `0.0.0.0` become the pod's IP, and every
+//!   process gets `KVGATE_LISTEN_ADDRESS=<pod IP>` for the sockets it binds on all interfaces
+//!   (servers without an address flag, and ZMQ's `tcp://*:` binds, which must stay wildcards:
+//!   an endpoint naming a host is connected to, not bound, as in vLLM).
 //! - **Environment.** `value`, `fieldRef` (name, namespace, pod IP, node, service account) and
 //!   `secretKeyRef`/`configMapKeyRef` (read from the API server by the caller; `optional` kept),
 //!   then `$(VAR)` references in arguments expanded as Kubernetes does.
@@ -233,7 +234,6 @@ pub fn rewrite_arg(arg: &str, ip: Ipv4Addr, mounts: &[(String, PathBuf)]) -> Str
     arg.replace("127.0.0.1", &ip)
         .replace("//localhost:", &format!("//{ip}:"))
         .replace("0.0.0.0", &ip)
-        .replace("tcp://*:", &format!("tcp://{ip}:"))
 }
 
 /// The container as a local process.
@@ -345,7 +345,7 @@ mod tests {
                 "--engine-url=http://127.1.2.3:8200",
                 "--kv-events-endpoint=tcp://127.1.2.3:5557",
                 "--prefiller-allow-list=/run/x/kvgate-prefillers/prefillers.yaml",
-                "--kv-events-config={\"endpoint\":\"tcp://127.1.2.3:5557\"}",
+                "--kv-events-config={\"endpoint\":\"tcp://*:5557\"}",
                 "--host=127.1.2.3",
                 "--pod=p-0",
                 "--literal=$(POD_NAME)",

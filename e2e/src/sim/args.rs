@@ -46,6 +46,11 @@ pub struct Args {
     /// Address to listen on.
     #[arg(long, default_value = "0.0.0.0")]
     pub host: IpAddr,
+    /// The address a wildcard KV-event bind (`tcp://*:port`, as vLLM's `--kv-events-config`
+    /// writes it) binds on; all interfaces when unset. Several simulated pods on one machine
+    /// each set their own.
+    #[arg(long, env = "KVGATE_LISTEN_ADDRESS")]
+    pub listen_address: Option<IpAddr>,
     /// HTTP port (OpenAI API, /health, /metrics).
     #[arg(long, default_value_t = 8200)]
     pub port: u16,

@@ -133,6 +133,7 @@ async fn serve(args: Args) -> Result<(), SimError> {
         Some(Publisher::start(PublisherConfig {
             endpoint,
             replay_endpoint,
+            wildcard_address: args.listen_address,
             topic,
             buffer_steps: kv.buffer_steps,
             hwm: kv.hwm,

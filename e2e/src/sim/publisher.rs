@@ -28,6 +28,8 @@ pub struct PublisherConfig {
     pub endpoint: String,
     /// Replay ROUTER endpoint, bound.
     pub replay_endpoint: Option<String>,
+    /// What a wildcard bind (`tcp://*:port`) binds on instead of every interface.
+    pub wildcard_address: Option<std::net::IpAddr>,
     /// The topic frame.
     pub topic: String,
     /// Batches kept for replay.
@@ -81,12 +83,13 @@ impl Publisher {
     /// Creates and binds the sockets (so a port clash fails here), then starts the thread.
     pub fn start(config: PublisherConfig) -> Result<Self, PublisherError> {
         let ctx = zmq::Context::new();
-        let pub_socket = open(&ctx, zmq::PUB, &config.endpoint, |s| {
+        let wildcard = config.wildcard_address;
+        let pub_socket = open(&ctx, zmq::PUB, &config.endpoint, wildcard, |s| {
             s.set_sndhwm(config.hwm)?;
             s.set_linger(500)
         })?;
         let router = match &config.replay_endpoint {
-            Some(ep) => Some(open(&ctx, zmq::ROUTER, ep, |s| s.set_linger(0))?),
+            Some(ep) => Some(open(&ctx, zmq::ROUTER, ep, wildcard, |s| s.set_linger(0))?),
             None => None,
         };
         let (tx, rx) = mpsc::sync_channel(config.max_queue_size);
@@ -157,6 +160,7 @@ fn open(
     ctx: &zmq::Context,
     kind: zmq::SocketType,
     endpoint: &str,
+    wildcard: Option<std::net::IpAddr>,
     configure: impl FnOnce(&zmq::Socket) -> zmq::Result<()>,
 ) -> Result<zmq::Socket, PublisherError> {
     let err = |source| PublisherError::Socket {
@@ -166,7 +170,11 @@ fn open(
     let socket = ctx.socket(kind).map_err(err)?;
     configure(&socket).map_err(err)?;
     if kind == zmq::ROUTER || super::kv_config::KvEventsConfig::binds(endpoint) {
-        socket.bind(endpoint).map_err(err)?;
+        let bound = match wildcard {
+            Some(ip) => endpoint.replace("tcp://*:", &format!("tcp://{ip}:")),
+            None => endpoint.to_owned(),
+        };
+        socket.bind(&bound).map_err(err)?;
     } else {
         socket.connect(endpoint).map_err(err)?;
     }
@@ -274,6 +282,7 @@ mod tests {
     fn publishes_with_seq_and_replays_with_end_marker() {
         let (p, r) = (free_port(), free_port());
         let publisher = Publisher::start(PublisherConfig {
+            wildcard_address: None,
             endpoint: format!("tcp://*:{p}"),
             replay_endpoint: Some(format!("tcp://*:{r}")),
             topic: "kv@127.0.0.1:1@m".into(),
@@ -344,6 +353,7 @@ mod tests {
         sub.bind("tcp://127.0.0.1:*").unwrap();
         let endpoint = sub.get_last_endpoint().unwrap().unwrap();
         let publisher = Publisher::start(PublisherConfig {
+            wildcard_address: None,
             endpoint,
             replay_endpoint: None,
             topic: "t".into(),
@@ -371,6 +381,7 @@ mod tests {
         let held = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
         let port = held.local_addr().unwrap().port();
         let err = Publisher::start(PublisherConfig {
+            wildcard_address: None,
             endpoint: format!("tcp://*:{port}"),
             replay_endpoint: None,
             topic: String::new(),

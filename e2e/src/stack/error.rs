@@ -69,6 +69,9 @@ pub enum StackError {
     /// The stack has no such component (an engine index out of range).
     #[error("this stack has no {0}")]
     NoSuchComponent(Component),
+    /// The Kubernetes mode failed (`kvgate-bench up --kube`).
+    #[error("Kubernetes stack: {0}")]
+    Kube(#[source] Box<crate::kube::KubeStackError>),
 }
 
 impl StackError {

@@ -93,6 +93,17 @@ pub struct UpArgs {
     /// The Redis server binary (default: `redis-server` on the PATH).
     #[arg(long, default_value = "redis-server")]
     pub redis_server: PathBuf,
+    /// Kubernetes mode: install kvgate's Helm chart into a local Kubernetes API server (kapi,
+    /// `scripts/bootstrap.sh` installs it) and run the chart's rendered containers here, each
+    /// pod on a loopback address of its own; the EPP discovers the engines through the
+    /// InferencePool and its Pods, and Envoy is configured as Envoy AI Gateway would. Takes
+    /// --engines, --model, --preset, --time-scale, --policy, --engine-arg, --kvbm and the
+    /// paths; prints a kubeconfig for kubectl.
+    #[arg(long)]
+    pub kube: bool,
+    /// EPP replicas in Kubernetes mode (active-active).
+    #[arg(long, default_value_t = 1)]
+    pub epp_replicas: usize,
 }
 
 impl UpArgs {
@@ -143,18 +154,70 @@ impl UpArgs {
             ..StackConfig::default()
         })
     }
+
+    /// The Kubernetes mode's configuration; options it does not take are refused.
+    pub fn kube_config(&self) -> Result<crate::kube::KubeStackConfig, StackError> {
+        let unsupported = [
+            ("--router", self.router != Router::EnvoyEpp),
+            ("--kv-events", self.kv_events != KvEventsPath::Nats),
+            ("--envoy-lb", self.envoy_lb != EnvoyLb::OverrideHost),
+            ("--fail-open", self.fail_open),
+            ("--dp-ranks", self.dp_ranks != 1),
+            ("--scheduler-config", self.scheduler_config.is_some()),
+            ("--kvbm-disk-mib", self.kvbm_disk_mib != 0),
+        ];
+        if let Some((flag, _)) = unsupported.iter().find(|(_, set)| *set) {
+            return Err(StackError::Config(format!(
+                "{flag} is not available with --kube (the chart and the Envoy AI Gateway recipe decide it)"
+            )));
+        }
+        if self.engines == 0 || self.epp_replicas == 0 {
+            return Err(StackError::Config(
+                "--engines and --epp-replicas must be at least 1".into(),
+            ));
+        }
+        let mut engine_args = vec![
+            format!("--time-scale={}", self.time_scale),
+            format!("--preset={}", self.preset),
+        ];
+        engine_args.extend(self.engine_args.iter().cloned());
+        Ok(crate::kube::KubeStackConfig {
+            model: self.model.clone(),
+            engines: self.engines,
+            epp_replicas: self.epp_replicas,
+            engine_args,
+            values: vec![format!(
+                "model: {{blockSize: {}}}\nepp: {{scheduler: {{policy: {}}}}}\n",
+                self.block_size, self.policy
+            )],
+            kvbm: self.kvbm,
+            bin_dir: self.bin_dir.clone(),
+            envoy: self.envoy.clone(),
+            run_dir: self.run_dir.clone(),
+            ready_timeout: Duration::from_secs(self.ready_timeout_s),
+            log_level: self.log_level.clone(),
+            ..crate::kube::KubeStackConfig::default()
+        })
+    }
 }
 
-/// Starts the stack, prints its addresses, and runs until Ctrl-C or SIGTERM (success) or until
-/// a component dies (its error, naming the component and its log).
-pub fn run(args: &UpArgs) -> Result<(), StackError> {
-    let config = args.config()?;
+fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVGATE_BENCH_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+/// Starts the stack, prints its addresses, and runs until Ctrl-C or SIGTERM (success) or until
+/// a component dies (its error, naming the component and its log).
+pub fn run(args: &UpArgs) -> Result<(), StackError> {
+    if args.kube {
+        return run_kube(args);
+    }
+    let config = args.config()?;
+    init_logging();
     let mut stack = Stack::start(config)?;
     announce(&stack);
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -181,6 +244,67 @@ pub fn run(args: &UpArgs) -> Result<(), StackError> {
     }
     stack.stop();
     outcome
+}
+
+/// `up --kube`: the chart installed into a local API server, its containers run here.
+fn run_kube(args: &UpArgs) -> Result<(), StackError> {
+    let config = args.kube_config()?;
+    init_logging();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|source| StackError::Io {
+            what: "starting the runtime".into(),
+            source,
+        })?;
+    let kube = |e| StackError::Kube(Box::new(e));
+    runtime.block_on(async {
+        let mut stack = crate::kube::KubeStack::start(config).await.map_err(kube)?;
+        announce_kube(&stack);
+        let signal = cli_support::shutdown_signal();
+        tokio::pin!(signal);
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        let outcome = loop {
+            tokio::select! {
+                () = &mut signal => break Ok(()),
+                _ = tick.tick() => if let Err(e) = stack.check() { break Err(e) },
+            }
+        };
+        if let Err(e) = &outcome {
+            let component = e.component().map(|c| c.to_string()).unwrap_or_default();
+            tracing::error!(%component, "a component died; stopping the stack");
+        }
+        tokio::task::block_in_place(|| stack.stop());
+        outcome
+    })
+}
+
+fn announce_kube(stack: &crate::kube::KubeStack) {
+    let c = stack.config();
+    let pods: Vec<String> = stack
+        .pods()
+        .iter()
+        .map(|(name, _, ip)| format!("{name} {ip}"))
+        .collect();
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "kvgate on Kubernetes ready ({} engines, {} EPP replicas; helm release {} in namespace {})\n  \
+         OpenAI base URL: {}\n  run dir:         {}\n  kubeconfig:      {}\n  \
+         EPP metrics:     {}\n  pods:            {}\n\
+         Ctrl-C stops it.",
+        c.engines,
+        c.epp_replicas,
+        c.release,
+        c.namespace,
+        stack.base_url(),
+        stack.run_dir().display(),
+        stack.kapi().kubeconfig().display(),
+        stack.epp_metrics_url(0).unwrap_or_default(),
+        pods.join(", "),
+    );
+    let _ = out.flush();
 }
 
 fn announce(stack: &Stack) {
