@@ -299,3 +299,61 @@ async fn rbac_is_least_privilege(stack: &KubeStack) {
         "write pool status"
     );
 }
+
+/// The block manager's DaemonSet pod and two EPP replicas, all from their rendered command
+/// lines: the block manager serves and publishes its node's tiers, and both EPPs route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_block_manager_and_two_epp_replicas_run_from_the_chart() {
+    let stack = start(KubeStackConfig {
+        engines: 1,
+        epp_replicas: 2,
+        kvbm: true,
+        ..KubeStackConfig::default()
+    })
+    .await;
+    let kinds: Vec<PodKind> = stack.pods().into_iter().map(|(_, k, _)| k).collect();
+    assert!(kinds.contains(&PodKind::Kvbm), "{kinds:?}");
+    assert!(kinds.contains(&PodKind::Epp(1)), "{kinds:?}");
+    let (_, _, kvbm_ip) = stack
+        .pods()
+        .into_iter()
+        .find(|(_, k, _)| *k == PodKind::Kvbm)
+        .unwrap();
+    let page = probe::http_request_at(
+        std::net::SocketAddr::from((kvbm_ip, 9092)),
+        "GET",
+        "/metrics",
+        Duration::from_secs(2),
+    )
+    .unwrap()
+    .1;
+    assert_eq!(
+        probe::metric_sum(&page, "kvgate_kvbm_nats_connected"),
+        Some(1.0)
+    );
+    assert_eq!(
+        probe::metric_sum(&page, "kvgate_kvbm_tier_capacity_bytes"),
+        Some(f64::from(1u32 << 30)),
+        "the chart's hostMemoryGiB: 1"
+    );
+    for i in 0..6 {
+        let r = send(&stack, &format!("replicas {i}"), "x");
+        assert!(r.ok(), "{r:?}");
+    }
+    let routed: f64 = (0..2)
+        .map(|n| {
+            probe::metric_sum(
+                &stack.epp_metrics(n).unwrap(),
+                "kvgate_epp_requests_routed_total",
+            )
+            .unwrap()
+        })
+        .sum();
+    assert_eq!(
+        routed, 6.0,
+        "the two replicas routed every request between them"
+    );
+    let dir = stack.run_dir().to_path_buf();
+    stack.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
