@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The main job. It runs, on embedded defaults:
-#   1. the local stack's demo: `kvgate-bench up` (NATS, three kvgate-sim engines behind
+#   1. the local stack's demos: `kvgate-bench up` (NATS, three kvgate-sim engines behind
 #      kvgate-sidecars, kvgate-epp, a real Envoy), a shared-prefix conversation through Envoy that
 #      sticks to the engine holding its prefix with cached tokens, then Ctrl-C (e2e/stack_demo.sh);
+#      and `kvgate-bench up --kube`: the Helm chart installed into a local Kubernetes API server,
+#      its rendered containers run here, a conversation that sticks to its pod until kubectl
+#      turns that pod NotReady (e2e/kube_demo.sh);
 #   2. the routing benchmark, live: `kvgate-bench compare` on one stack of three engines, a
 #      shared-prefix workload at two rates for kv, round-robin, least-load and prefix-only, then
 #      the peer routers vllm-router and smg (PyPI, installed into .routers-venv) on the same
@@ -25,6 +28,8 @@ cd "$root"
 scripts/bootstrap.sh
 echo "== local stack demo (kvgate-bench up)"
 e2e/stack_demo.sh --release
+echo "== Kubernetes demo (kvgate-bench up --kube: the Helm chart on a local API server)"
+e2e/kube_demo.sh --release
 bench="${CARGO_TARGET_DIR:-$root/target}/release/kvgate-bench"
 out=${KVGATE_MAIN_OUT:-/tmp/kvgate-main}
 # The shared inputs beside the checkout (or $KVGATE_SHARED, as for the tests).

@@ -5,6 +5,9 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 scripts/bootstrap.sh
+# The Dockerfiles: hadolint and their agreement with the workspace (seconds; building the images
+# is the opt-in scripts/images.sh).
+scripts/check-images.sh
 # The end-to-end tier (e2e/tests/stack.rs: the local stack with a real Envoy, NATS, sidecars and
 # the EPP) is an ordinary integration test of kvgate-e2e; it runs below with the others, once.
 # It starts kvgate-epp and kvgate-sidecar from the target directory, which --workspace builds.
