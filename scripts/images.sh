@@ -5,8 +5,9 @@
 #
 # For each image: the distroless/cc-style Debian bookworm root made by images/rootfs.sh
 # (mmdebstrap, from Debian's packages; one root, the first layer of all four) and the release
-# binary (cargo build --release --locked), added as two layers to an OCI image layout by umoci, configured as images/Dockerfile configures
-# its targets (user 65532:65532, entrypoint, the Dockerfile's labels), and written as
+# binary (cargo build --release --locked), two layers (GNU tar) added to an OCI image layout
+# with umoci, configured as images/Dockerfile configures its targets (user 65532:65532,
+# entrypoint, the Dockerfile's labels), and written as
 #   DIR/<name>/                  an OCI layout, tag <version>  (skopeo copy oci:DIR/<name>:<version> docker://…)
 #   DIR/<name>-<version>.tar     a docker-archive tagged <registry>/<name>:<version>  (docker load -i, kind load image-archive)
 # <registry> is ghcr.io/kvgate (KVGATE_IMAGE_REGISTRY), <version> the workspace's (Cargo.toml).
@@ -21,9 +22,9 @@
 # socket on a mounted tmpfs; a real nats-server; ready, then SIGTERM, exit 0) and the
 # simulator (KV events over ZMQ; healthy, a completion answered, then SIGTERM, exit 0).
 #
-# Needs root (mmdebstrap, umoci, mount namespaces): run as a user with sudo and the images
-# are made under sudo after cargo has built the binaries. Installs what it needs from Debian
-# (mmdebstrap umoci skopeo jq binutils libcap2-bin curl nats-server), idempotently.
+# Needs root for all but the cargo build (mmdebstrap, umoci, mount namespaces): run as another
+# user, it builds the binaries, then says how to go on under sudo. Installs what it needs from
+# Debian (mmdebstrap umoci skopeo jq binutils libcap2-bin curl nats-server), idempotently.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -108,13 +109,9 @@ for c in "${selected[@]}"; do
   fi
 done
 
-# Everything below needs root; a user with sudo goes on under sudo with the binaries built.
+# Everything below needs root.
 if [ "$(id -u)" -ne 0 ]; then
-  command -v sudo >/dev/null || die "needs root for mmdebstrap, umoci and mount namespaces"
-  say "going on under sudo"
-  exec sudo --preserve-env=CARGO_TARGET_DIR,KVGATE_IMAGE_REGISTRY,KVGATE_DEBIAN_MIRROR,KVGATE_DEBIAN_SECURITY_MIRROR \
-    "$self" "$([ "$check_only" -eq 1 ] && echo --check-only || echo --skip-build)" \
-    --only "$(IFS=,; echo "${selected[*]}")" --out "$out"
+  die "the rest needs root (mmdebstrap, umoci, mount namespaces): sudo --preserve-env=CARGO_TARGET_DIR $self $([ "$check_only" -eq 1 ] && echo --check-only || echo --skip-build) --only $(IFS=,; echo "${selected[*]}") --out $out"
 fi
 
 # --- Tools (Debian packages) --------------------------------------------------------------
