@@ -146,13 +146,35 @@ pub fn documents() -> Result<Vec<Document>, GenError> {
     ];
     test_copies
         .into_iter()
-        .map(|(crd, from)| render(&crd, from, TEST_COPIES_DIR, Origin::TestCopy))
+        .map(|(crd, from)| render(&canonical(crd), from, TEST_COPIES_DIR, Origin::TestCopy))
         .collect()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Origin {
     TestCopy,
+}
+
+/// `value` with every object's keys in sorted order. serde_json keeps insertion order when any
+/// crate of the build enables its `preserve_order` feature, and sorted order otherwise; sorting
+/// here makes the files the same in every build.
+fn canonical(value: serde_json::Value) -> serde_json::Value {
+    match value {
+        serde_json::Value::Object(map) => {
+            let mut entries: Vec<(String, serde_json::Value)> = map.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            serde_json::Value::Object(
+                entries
+                    .into_iter()
+                    .map(|(k, v)| (k, canonical(v)))
+                    .collect(),
+            )
+        }
+        serde_json::Value::Array(items) => {
+            serde_json::Value::Array(items.into_iter().map(canonical).collect())
+        }
+        other => other,
+    }
 }
 
 fn render(

@@ -87,15 +87,7 @@ impl Helm {
         namespace: &str,
         values: &[&str],
     ) -> Result<Rendered, ChartError> {
-        let mut args = vec![
-            "template".to_owned(),
-            release.to_owned(),
-            chart_dir().display().to_string(),
-            "--namespace".to_owned(),
-            namespace.to_owned(),
-        ];
-        args.extend(self.values_args(values)?);
-        Rendered::parse(&self.run("template", &args)?)
+        Rendered::parse(&self.release("template", release, namespace, values, &[])?)
     }
 
     /// `helm install` (server-side apply, which refuses undeclared fields) into the cluster.
@@ -105,16 +97,13 @@ impl Helm {
         namespace: &str,
         values: &[&str],
     ) -> Result<String, ChartError> {
-        let mut args = vec![
-            "install".to_owned(),
-            release.to_owned(),
-            chart_dir().display().to_string(),
-            "--namespace".to_owned(),
-            namespace.to_owned(),
-            "--create-namespace".to_owned(),
-        ];
-        args.extend(self.values_args(values)?);
-        self.run("install", &args)
+        self.release(
+            "install",
+            release,
+            namespace,
+            values,
+            &["--create-namespace"],
+        )
     }
 
     /// `helm upgrade` of an installed release.
@@ -124,15 +113,28 @@ impl Helm {
         namespace: &str,
         values: &[&str],
     ) -> Result<String, ChartError> {
+        self.release("upgrade", release, namespace, values, &[])
+    }
+
+    /// `helm <command> <release> <chart> --namespace <namespace> [extra] -f <values>…`.
+    fn release(
+        &self,
+        command: &str,
+        release: &str,
+        namespace: &str,
+        values: &[&str],
+        extra: &[&str],
+    ) -> Result<String, ChartError> {
         let mut args = vec![
-            "upgrade".to_owned(),
+            command.to_owned(),
             release.to_owned(),
             chart_dir().display().to_string(),
             "--namespace".to_owned(),
             namespace.to_owned(),
         ];
+        args.extend(extra.iter().map(|e| (*e).to_owned()));
         args.extend(self.values_args(values)?);
-        self.run("upgrade", &args)
+        self.run(command, &args)
     }
 
     /// The release's rendered manifests as installed (`helm get manifest`).
