@@ -12,9 +12,13 @@
 //! [`pool::PoolView`] and [`objective::ObjectiveView`] are the version-independent views the EPP
 //! works with.
 //!
+//! [`autoscaler::PoolAutoscaler`] (`kvgate.io/v1alpha1`) is kvgate's own CRD, the operator's
+//! input.
+//!
 //! Pure: no async runtime, no client, no I/O. Only `kube`'s `derive` feature (kube-core), the
 //! `k8s-openapi` object metadata, `schemars` and `serde`.
 
+pub mod autoscaler;
 pub mod objective;
 pub mod pool;
 pub mod shared;

@@ -3,8 +3,8 @@
 //!
 //! Two sets:
 //!
-//! - **owned**: CRDs kvgate defines; they ship in the Helm chart's `crds/` folder. None yet:
-//!   the operator's `PoolAutoscaler` will be the first.
+//! - **owned**: CRDs kvgate defines; they ship in the Helm chart's `crds/` folder: the
+//!   operator's `PoolAutoscaler` (`kvgate.io/v1alpha1`).
 //! - **test copies**: the upstream CRDs kvgate reads (the Gateway API Inference Extension's
 //!   `InferencePool` in both versions, the two `InferenceObjective` groups), generated from
 //!   `crates/api`'s types, whose schema attributes reproduce upstream's validation; and the
@@ -144,14 +144,27 @@ pub fn documents() -> Result<Vec<Document>, GenError> {
             "gateway_api::apis::standard::httproutes::HttpRoute",
         ),
     ];
-    test_copies
+    let owned = [(
+        json(
+            "PoolAutoscaler",
+            serde_json::to_value(api::autoscaler::PoolAutoscaler::crd()),
+        )?,
+        "api::autoscaler::PoolAutoscaler",
+    )];
+    owned
         .into_iter()
-        .map(|(crd, from)| render(&canonical(crd), from, TEST_COPIES_DIR, Origin::TestCopy))
+        .map(|(crd, from)| render(&canonical(crd), from, OWNED_DIR, Origin::Owned))
+        .chain(
+            test_copies.into_iter().map(|(crd, from)| {
+                render(&canonical(crd), from, TEST_COPIES_DIR, Origin::TestCopy)
+            }),
+        )
         .collect()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Origin {
+    Owned,
     TestCopy,
 }
 
@@ -193,6 +206,7 @@ fn render(
         source,
     })?;
     let note = match origin {
+        Origin::Owned => "# kvgate's own CRD; Helm installs it from the chart's crds/ folder.\n",
         Origin::TestCopy => {
             "# A test copy of an upstream CRD kvgate reads, for the tests' API server.\n\
              # Users install the upstream CRD, not this file.\n"
@@ -224,6 +238,7 @@ mod tests {
         assert_eq!(
             paths,
             vec![
+                "charts/kvgate/crds/poolautoscalers.kvgate.io.yaml",
                 "e2e/crds/inferencepools.inference.networking.k8s.io.yaml",
                 "e2e/crds/inferencepools.inference.networking.x-k8s.io.yaml",
                 "e2e/crds/inferenceobjectives.llm-d.ai.yaml",

@@ -13,6 +13,11 @@ pub fn test_copies_dir() -> std::path::PathBuf {
     crate::tools::workspace_root().join("e2e/crds")
 }
 
+/// kvgate's own CRDs (the chart's `crds/`).
+pub fn owned_dir() -> std::path::PathBuf {
+    crate::tools::workspace_root().join("charts/kvgate/crds")
+}
+
 /// Server-side applies every CRD in the YAML files of `dir` whose file name passes `keep`, and
 /// waits until each is `Established`. Returns the CRD names.
 pub async fn install_dir(
