@@ -12,8 +12,9 @@
 //! block size. A one-hour production trace with 12,000-token prompts stays a few megabytes.
 //!
 //! The generators: [`read_mooncake`] (the Mooncake conversation trace), [`doks`] (seed 001's
-//! multi-turn demo) and [`shared_prefix`] (llm-d's groups of users behind shared system
-//! prompts), all seeded and deterministic.
+//! multi-turn demo), [`shared_prefix`] (llm-d's groups of users behind shared system
+//! prompts) and [`day`] (a day-shaped load from a trace's arrival pattern), all seeded and
+//! deterministic.
 //!
 //! The live load generator (`kvgate-bench`) sends the prompts to a real OpenAI endpoint and
 //! appends the answers the engine returns; the discrete-event replay appends
@@ -23,6 +24,7 @@
 //! Pure: no I/O apart from the trace reader's `BufRead`, no clock, no threads.
 
 mod content;
+mod day;
 mod doks;
 mod mooncake;
 pub mod percentile;
@@ -34,6 +36,7 @@ mod summary;
 mod table;
 
 pub use content::{Span, Vocab, synth_answer};
+pub use day::{Burst, DayError, DayOptions, day};
 pub use doks::{DoksOptions, Tokens, doks};
 pub use mooncake::{
     BLOCK_TOKENS, MAX_LINE_BYTES, MooncakeError, MooncakeOptions, block_seed, read_mooncake,
