@@ -73,7 +73,7 @@ mod regression;
 pub use config::{ConfigError, Mode, PlannerConfig, PredictorKind, Role, RoleLimits, Slo, Tuning};
 pub use decision::{Decision, HoldCause, Limit, Reason, RoleDecision, Source};
 pub use observation::{Load, Metrics, Observation};
-pub use planner::{Corrections, Planner, STALE_INTERVALS};
+pub use planner::{Corrections, Planner, STALE_INTERVALS, throughput_need};
 pub use predictor::Predictor;
 pub use profile::{DecodeTable, PrefillPoint, Profile, ProfileError};
 pub use regression::{Line, Regression};

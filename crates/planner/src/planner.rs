@@ -17,11 +17,12 @@
 use std::collections::BTreeMap;
 
 use crate::budget::{self, Ask};
-use crate::config::{ConfigError, Mode, PlannerConfig, Role};
+use crate::config::{ConfigError, Mode, PlannerConfig, Role, Slo};
 use crate::decision::{Decision, HoldCause, Limit, Reason, RoleDecision, Source};
 use crate::governor::{Governor, Held};
 use crate::observation::{Load, Metrics, Observation};
 use crate::predictor::Predictor;
+use crate::profile::Profile;
 use crate::regression::Regression;
 
 /// Observations further apart than this many intervals restart the predictors and the
@@ -107,6 +108,42 @@ fn per(demand: f64, capacity: f64) -> f64 {
     }
 }
 
+/// The throughput model: the replicas (fractional) `role` needs for `load` with `profile`,
+/// planning for `utilisation` of each replica's capacity at the SLO:
+/// `prefill = rps·isl ÷ (prefill_capacity(ttft) / c_prefill · u)`,
+/// `decode = rps·osl ÷ (decode_capacity(itl / c_decode, isl + osl/2) · u)`, and
+/// `both = prefill + decode` (an aggregated replica time-shares the two). Infinite when the
+/// profile gives no capacity at all for a positive load.
+pub fn throughput_need(
+    profile: &Profile,
+    slo: &Slo,
+    load: &Load,
+    utilisation: f64,
+    corrections: Corrections,
+    role: Role,
+) -> f64 {
+    let prefill_capacity =
+        profile.prefill_capacity(slo.ttft_ms) / corrections.prefill * utilisation;
+    let decode_capacity = profile
+        .decode_capacity(slo.itl_ms / corrections.decode, load.decode_context())
+        * utilisation;
+    let prefill = per(load.prefill_tokens_per_s(), prefill_capacity);
+    let decode = per(load.decode_tokens_per_s(), decode_capacity);
+    match role {
+        Role::Prefill => prefill,
+        Role::Decode => decode,
+        Role::Both => prefill + decode,
+    }
+}
+
+impl Corrections {
+    /// No correction: the profile is taken as it is.
+    pub const NONE: Corrections = Corrections {
+        prefill: 1.0,
+        decode: 1.0,
+    };
+}
+
 impl Planner {
     /// A planner for a validated `config`.
     pub fn new(config: PlannerConfig) -> Result<Self, ConfigError> {
@@ -128,10 +165,7 @@ impl Planner {
             rps: Predictor::new(config.predictor),
             isl: Predictor::new(config.predictor),
             osl: Predictor::new(config.predictor),
-            corrections: Corrections {
-                prefill: 1.0,
-                decode: 1.0,
-            },
+            corrections: Corrections::NONE,
             ttft: Regression::new(config.tuning.regression_forgetting),
             itl: Regression::new(config.tuning.regression_forgetting),
             ttft_missed_at: None,
@@ -362,18 +396,14 @@ impl Planner {
     /// The throughput model's replicas for `load` (fractional), if there is a profile.
     fn throughput_need(&self, role: Role, load: &Load) -> Option<f64> {
         let p = self.config.profile.as_ref()?;
-        let slo = self.config.slo;
-        let u = self.config.tuning.target_utilisation;
-        let prefill_capacity = p.prefill_capacity(slo.ttft_ms) / self.corrections.prefill * u;
-        let decode_capacity =
-            p.decode_capacity(slo.itl_ms / self.corrections.decode, load.decode_context()) * u;
-        let prefill = per(load.prefill_tokens_per_s(), prefill_capacity);
-        let decode = per(load.decode_tokens_per_s(), decode_capacity);
-        Some(match role {
-            Role::Prefill => prefill,
-            Role::Decode => decode,
-            Role::Both => prefill + decode,
-        })
+        Some(throughput_need(
+            p,
+            &self.config.slo,
+            load,
+            self.config.tuning.target_utilisation,
+            self.corrections,
+            role,
+        ))
     }
 
     /// The load model's step for a role: one replica up when the regression says `current`
