@@ -17,6 +17,9 @@ pub struct ReplayConfig {
     pub load: Option<f64>,
     /// Number of engines, at least one.
     pub engines: usize,
+    /// The first this many engines are prefill-only and the rest decode (a disaggregated pool,
+    /// which needs `scheduler.disaggregation.enabled`); 0: every engine does both.
+    pub prefill_engines: usize,
     /// Every engine's configuration (a preset's, usually).
     pub engine: EngineConfig,
     /// The router's scheduler configuration (the EPP's YAML).
@@ -52,6 +55,7 @@ impl ReplayConfig {
             run: "kv".into(),
             load: None,
             engines,
+            prefill_engines: 0,
             engine,
             scheduler: SchedulerConfig::default(),
             cache_aware: None,

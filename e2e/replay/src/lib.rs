@@ -42,6 +42,8 @@ mod translate;
 pub use config::{MS, ReplayConfig};
 pub use peer::{CacheAware, CacheAwareBranch, CacheAwareConfig, CacheAwarePick, ReplayPolicy};
 pub use queue::EventQueue;
-pub use replay::{Replay, ReplayError, ReplayOutput, replay};
+pub use replay::{
+    EngineLife, EngineView, IntervalStats, Life, Replay, ReplayError, ReplayOutput, replay,
+};
 pub use router::{Placement, Router, RouterError, RouterStats, millis};
 pub use translate::engine_event;

@@ -69,6 +69,11 @@ impl<E> EventQueue<E> {
         self.heap.pop().map(|Reverse(e)| (e.at, e.event))
     }
 
+    /// The time of the earliest event.
+    pub fn peek_time(&self) -> Option<Nanos> {
+        self.heap.peek().map(|Reverse(e)| e.at)
+    }
+
     /// Events waiting.
     pub fn len(&self) -> usize {
         self.heap.len()
@@ -120,6 +125,7 @@ mod tests {
                             .min_by_key(|(_, (at, id))| (*at, *id))
                             .map(|(pos, _)| pos)
                             .map(|pos| model.remove(pos));
+                        prop_assert_eq!(q.peek_time(), want.map(|(at, _)| at));
                         prop_assert_eq!(q.pop(), want);
                     }
                 }

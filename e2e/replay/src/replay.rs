@@ -12,6 +12,16 @@
 //!   events leave for the router, and the engine starts its next step.
 //! - `Deliver(engine, events)`: the events reach the router's index, `event_delay` after the step.
 //! - `LoadTick`, `ExpireTick`: engine load samples, the EPP's expiry upkeep.
+//! - `Ready(engine)`: an engine added while the replay runs finished starting and is routable.
+//!
+//! In a disaggregated pool (`prefill_engines > 0`) a decision with a prefill leg sends the
+//! request first to the prefill engine as prefill-only (vLLM NIXL `do_remote_decode`: one
+//! token, then the blocks to pull); when it finishes, the decode engine gets the request as a
+//! remote prefill of those blocks (`do_remote_prefill`: it waits for the transfer, computes
+//! the rest, and streams every output token) — the sidecar proxy's sequence. The client's
+//! first token is the decode engine's. Engines can be added (routable after a start-up delay)
+//! and removed (drained: no new requests, gone when their requests finish) while the replay
+//! runs (`elastic`).
 //!
 //! Closed loop keeps `concurrency` sessions in flight (a session counts from its first send to
 //! its last answer, think times included); open loop sends each session's first turn at its
@@ -19,13 +29,19 @@
 
 use std::collections::HashMap;
 
-use engine_model::{Engine, EngineStats, Nanos, NewRequest, RequestId, StepOutput, XxhChain};
-use scheduler::InflightToken;
+use engine_model::{
+    Engine, EngineStats, KvTransfer, Nanos, NewRequest, RequestId, StepOutput, XxhChain,
+};
+use scheduler::{InflightToken, Role};
 use workload::{Pacing, RequestRecord, Status, Workload, synth_answer};
 
 use crate::config::ReplayConfig;
 use crate::queue::EventQueue;
 use crate::router::{Router, RouterError, RouterStats};
+
+mod elastic;
+
+pub use elastic::{EngineLife, EngineView, IntervalStats, Life};
 
 /// Why a replay could not start.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +58,10 @@ pub enum ReplayError {
     /// Closed loop with zero concurrency.
     #[error("closed-loop concurrency must be at least 1")]
     ZeroConcurrency,
+    /// Prefill engines without the scheduler's disaggregation (they would never be used), or
+    /// no decode engine.
+    #[error("a disaggregated pool needs scheduler.disaggregation.enabled and a decode engine")]
+    Disaggregation,
 }
 
 /// What a replay produced.
@@ -61,6 +81,8 @@ pub struct ReplayOutput {
     pub events: u64,
     /// The most sessions in flight at once.
     pub max_sessions_in_flight: usize,
+    /// Every engine's life: role, when it was added, ready and gone.
+    pub lives: Vec<EngineLife>,
 }
 
 #[derive(Debug)]
@@ -72,6 +94,7 @@ enum Event {
     Deliver(usize, Vec<engine_model::CacheEvent>),
     LoadTick,
     ExpireTick,
+    Ready(usize),
 }
 
 #[derive(Debug)]
@@ -79,6 +102,13 @@ struct EngineSlot {
     engine: Engine,
     step: Option<StepOutput>,
     kicked: bool,
+    role: Role,
+    life: Life,
+    /// Requests (or prefill legs) routed to it and not finished.
+    legs: u32,
+    added_at: Nanos,
+    ready_at: Option<Nanos>,
+    gone_at: Option<Nanos>,
 }
 
 #[derive(Debug, Default)]
@@ -116,6 +146,11 @@ pub struct Replay<'w> {
     in_flight_sessions: usize,
     max_in_flight_sessions: usize,
     requests: HashMap<RequestId, OpenRequest>,
+    /// Prefill legs in flight: leg id → (request id, prefill engine).
+    prefill_legs: HashMap<RequestId, (RequestId, usize)>,
+    /// Requests waiting for their prefill leg: the decode engine's request.
+    pending_decode: HashMap<RequestId, Box<NewRequest>>,
+    interval: IntervalStats,
     next_request: RequestId,
     records: Vec<RequestRecord>,
     now: Nanos,
@@ -136,12 +171,30 @@ impl<'w> Replay<'w> {
         if config.engines == 0 {
             return Err(ReplayError::NoEngines);
         }
+        let disaggregated = config.prefill_engines > 0;
+        if disaggregated
+            && (!config.scheduler.disaggregation.enabled
+                || config.prefill_engines >= config.engines)
+        {
+            return Err(ReplayError::Disaggregation);
+        }
+        let role = |i: usize| match (disaggregated, i < config.prefill_engines) {
+            (false, _) => Role::Both,
+            (true, true) => Role::Prefill,
+            (true, false) => Role::Decode,
+        };
         let engines = (0..config.engines)
-            .map(|_| {
+            .map(|i| {
                 Ok(EngineSlot {
                     engine: Engine::new(config.engine.clone())?,
                     step: None,
                     kicked: false,
+                    role: role(i),
+                    life: Life::Serving,
+                    legs: 0,
+                    added_at: 0,
+                    ready_at: Some(0),
+                    gone_at: None,
                 })
             })
             .collect::<Result<Vec<_>, engine_model::ConfigError>>()?;
@@ -154,6 +207,9 @@ impl<'w> Replay<'w> {
         )?;
         if let Some(peer) = config.cache_aware {
             router = router.with_cache_aware(peer);
+        }
+        for (i, slot) in engines.iter().enumerate() {
+            router.set_role(i, slot.role);
         }
         let mut queue = EventQueue::new();
         let n = workload.sessions.len();
@@ -191,6 +247,9 @@ impl<'w> Replay<'w> {
             in_flight_sessions: 0,
             max_in_flight_sessions: 0,
             requests: HashMap::new(),
+            prefill_legs: HashMap::new(),
+            pending_decode: HashMap::new(),
+            interval: IntervalStats::default(),
             next_request: 0,
             records: Vec::new(),
             now: 0,
@@ -218,7 +277,9 @@ impl<'w> Replay<'w> {
             Event::Deliver(e, events) => self.router.deliver(e, events),
             Event::LoadTick => {
                 for (i, slot) in self.engines.iter().enumerate() {
-                    self.router.sample_load(i, &slot.engine.stats(), self.now);
+                    if matches!(slot.life, Life::Serving | Life::Draining) {
+                        self.router.sample_load(i, &slot.engine.stats(), self.now);
+                    }
                 }
                 if self.live() {
                     self.queue
@@ -232,6 +293,7 @@ impl<'w> Replay<'w> {
                         .push(self.now + self.config.expire_interval, Event::ExpireTick);
                 }
             }
+            Event::Ready(e) => self.ready(e),
         }
         Some(at)
     }
@@ -253,6 +315,7 @@ impl<'w> Replay<'w> {
 
     /// The records so far and the counters.
     pub fn finish(self) -> ReplayOutput {
+        let lives = self.lives();
         ReplayOutput {
             records: self.records,
             engines: self.engines.iter().map(|s| s.engine.stats()).collect(),
@@ -261,6 +324,7 @@ impl<'w> Replay<'w> {
             steps: self.steps,
             events: self.events,
             max_sessions_in_flight: self.max_in_flight_sessions,
+            lives,
         }
     }
 
@@ -305,10 +369,31 @@ impl<'w> Replay<'w> {
         };
         let id = self.next_request;
         self.next_request += 1;
+        self.interval.sent += 1;
+        self.interval.prompt_tokens += u64::from(prompt_tokens);
+        let output = synth_answer(&workload.vocab, session.id, k, turn.max_tokens);
+        // A prefill leg: the prefill engine computes the prompt and makes one token; the
+        // decode engine's request waits for it.
+        let leg = placement
+            .prefill
+            .filter(|&p| p != placement.engine)
+            .map(|p| {
+                let leg_id = self.next_request;
+                self.next_request += 1;
+                let leg = NewRequest {
+                    id: leg_id,
+                    prompt: prompt.clone(),
+                    output: output.first().map_or_else(Vec::new, |&t| vec![t]),
+                    hasher: Box::new(XxhChain::new(self.config.engine_hash_seed)),
+                    arrival: self.now,
+                    kv_transfer: Some(KvTransfer::PrefillOnly),
+                };
+                (p, leg)
+            });
         let request = NewRequest {
             id,
             prompt,
-            output: synth_answer(&workload.vocab, session.id, k, turn.max_tokens),
+            output,
             hasher: Box::new(XxhChain::new(self.config.engine_hash_seed)),
             arrival: self.now,
             kv_transfer: None,
@@ -327,12 +412,22 @@ impl<'w> Replay<'w> {
                 output_tokens: 0,
             },
         );
+        self.assign(placement.engine);
+        let (target, request) = match leg {
+            Some((p, leg)) => {
+                self.assign(p);
+                self.prefill_legs.insert(leg.id, (id, p));
+                self.pending_decode.insert(id, Box::new(request));
+                (p, leg)
+            }
+            None => (placement.engine, request),
+        };
         if self.config.request_latency == 0 {
-            self.arrive(placement.engine, request);
+            self.arrive(target, request);
         } else {
             self.queue.push(
                 self.now + self.config.request_latency,
-                Event::Arrive(placement.engine, Box::new(request)),
+                Event::Arrive(target, Box::new(request)),
             );
         }
     }
@@ -346,6 +441,17 @@ impl<'w> Replay<'w> {
             None => Err("no such engine".to_owned()),
         };
         if let Err(error) = added {
+            self.release(e);
+            let id = match self.prefill_legs.remove(&id) {
+                Some((main, _)) => {
+                    self.pending_decode.remove(&main);
+                    if let Some(decode) = self.requests.get(&main).map(|o| o.engine) {
+                        self.release(decode);
+                    }
+                    main
+                }
+                None => id,
+            };
             let Some(open) = self.requests.remove(&id) else {
                 return;
             };
@@ -411,6 +517,13 @@ impl<'w> Replay<'w> {
             if out.preempted {
                 continue;
             }
+            if out.finished.is_some()
+                && let Some((main, prefill)) = self.prefill_legs.remove(&out.id)
+            {
+                self.release(prefill);
+                self.decode_leg(main, out.kv_transfer_params.map_or(0, |p| p.num_tokens));
+                continue;
+            }
             let Some(open) = self.requests.get_mut(&out.id) else {
                 continue;
             };
@@ -419,6 +532,9 @@ impl<'w> Replay<'w> {
                 open.first = Some(self.now);
                 open.cached = out.num_cached_tokens;
                 self.router.first_token(open.token);
+                self.interval
+                    .ttft_ms
+                    .push(self.now.saturating_sub(open.sent) as f64 / 1e6);
             }
             open.output_tokens = open.output_tokens.saturating_add(n);
             if out.finished.is_some() {
@@ -433,6 +549,7 @@ impl<'w> Replay<'w> {
             return;
         };
         self.router.finished(open.token);
+        self.release(open.engine);
         let ms = |ns: Nanos| ns as f64 / 1e6;
         let e2e = ms(self.now.saturating_sub(open.sent));
         let ttft = open.first.map(|f| ms(f.saturating_sub(open.sent)));
@@ -440,6 +557,11 @@ impl<'w> Replay<'w> {
             (Some(t), n) if n >= 2 => Some((e2e - t) / f64::from(n - 1)),
             _ => None,
         };
+        self.interval.completed += 1;
+        self.interval.output_tokens += u64::from(open.output_tokens);
+        if let Some(t) = tpot {
+            self.interval.tpot_ms.push(t);
+        }
         let workload = self.workload;
         let Some(session) = workload.sessions.get(open.session) else {
             return;

@@ -15,7 +15,7 @@ use kv_events::{KvEvent, Normalizer, NormalizerConfig};
 use kv_index::{EndpointId, Holder, IndexConfig, KvIndex};
 use scheduler::{
     DEFAULT_DECODE_BLOCKS, Endpoint, EngineLoad, InflightToken, InflightTracker, LoadBook, Millis,
-    ScheduleRequest, Scheduler, SchedulerConfig,
+    Role, ScheduleRequest, Scheduler, SchedulerConfig,
 };
 
 use crate::peer::{CacheAware, CacheAwareConfig};
@@ -33,6 +33,9 @@ pub enum RouterError {
     /// More engines than endpoint ids.
     #[error("{0} engines exceed the endpoint id range")]
     TooManyEngines(usize),
+    /// Engines added or removed while the peer routers' model (a fixed pool) places requests.
+    #[error("the cache-aware model needs a fixed pool")]
+    FixedPool,
 }
 
 /// Where one request went.
@@ -44,6 +47,9 @@ pub struct Placement {
     pub token: InflightToken,
     /// Prompt blocks the router expected the engine to hold (GPU credit at decision time).
     pub expected_hit_blocks: u32,
+    /// The prefill engine of a disaggregated request (the decision's prefill leg): it computes
+    /// the prompt and `engine` pulls the KV and decodes.
+    pub prefill: Option<usize>,
 }
 
 /// Counters of the router's work.
@@ -78,6 +84,17 @@ pub struct Router {
     loads_scratch: Vec<u64>,
 }
 
+/// Engine `i`'s endpoint: id `i`, address `10.0.hi.lo:8000`, ready.
+fn endpoint(i: usize, role: Role) -> Result<Endpoint, RouterError> {
+    let raw = u32::try_from(i).map_err(|_| RouterError::TooManyEngines(i + 1))?;
+    let id = EndpointId::new(raw).map_err(|_| RouterError::TooManyEngines(i + 1))?;
+    let [_, _, hi, lo] = raw.to_be_bytes();
+    let addr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::new(10, 0, hi, lo), 8000));
+    let mut e = Endpoint::new(id, addr);
+    e.role = role;
+    Ok(e)
+}
+
 /// Virtual nanoseconds on the EPP's millisecond clock.
 pub fn millis(now: Nanos) -> Millis {
     Millis(now / 1_000_000)
@@ -93,13 +110,7 @@ impl Router {
         seed: u64,
     ) -> Result<Self, RouterError> {
         let endpoints = (0..engines)
-            .map(|i| {
-                let raw = u32::try_from(i).map_err(|_| RouterError::TooManyEngines(engines))?;
-                let id = EndpointId::new(raw).map_err(|_| RouterError::TooManyEngines(engines))?;
-                let [_, _, hi, lo] = raw.to_be_bytes();
-                let addr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::new(10, 0, hi, lo), 8000));
-                Ok(Endpoint::new(id, addr))
-            })
+            .map(|i| endpoint(i, Role::Both))
             .collect::<Result<Vec<_>, RouterError>>()?;
         let normalizers = (0..engines)
             .map(|_| Normalizer::new(NormalizerConfig::new(model, block_size)))
@@ -174,6 +185,7 @@ impl Router {
                 .decision
                 .prompt_blocks
                 .saturating_sub(routed.decision.uncached_blocks),
+            prefill: routed.decision.prefill.map(|p| p.endpoint.get() as usize),
         })
     }
 
@@ -205,6 +217,7 @@ impl Router {
             engine: pick.worker,
             token,
             expected_hit_blocks: pick.matched_blocks,
+            prefill: None,
         })
     }
 
@@ -261,6 +274,52 @@ impl Router {
     /// The EPP's periodic upkeep: expire speculative entries.
     pub fn expire(&self, now: Nanos) {
         self.scheduler.expire(&self.index, millis(now));
+    }
+
+    /// Sets engine `engine`'s role in a disaggregated pool.
+    pub fn set_role(&mut self, engine: usize, role: Role) {
+        if let Some(e) = self.endpoints.get_mut(engine) {
+            e.role = role;
+        }
+    }
+
+    /// Adds an engine (not ready: discovery lists a pod before it is ready) with its sidecar's
+    /// normaliser; returns its index.
+    pub fn add_endpoint(&mut self, role: Role) -> Result<usize, RouterError> {
+        if self.peer.is_some() {
+            return Err(RouterError::FixedPool);
+        }
+        let i = self.endpoints.len();
+        let mut e = endpoint(i, role)?;
+        e.ready = false;
+        self.endpoints.push(e);
+        self.normalizers.push(Normalizer::new(NormalizerConfig::new(
+            &self.model,
+            u32::try_from(self.block_size).unwrap_or(u32::MAX),
+        )));
+        Ok(i)
+    }
+
+    /// Marks an engine ready (routable) or not (starting, draining), as discovery does with
+    /// pod readiness.
+    pub fn set_ready(&mut self, engine: usize, ready: bool) {
+        if let Some(e) = self.endpoints.get_mut(engine) {
+            e.ready = ready;
+        }
+    }
+
+    /// Forgets an engine that left the pool, as the EPP's discovery does for a deleted pod:
+    /// its index entries, load samples and in-flight accounting. It is never routed to again.
+    pub fn remove_endpoint(&mut self, engine: usize) {
+        let Some(e) = self.endpoints.get_mut(engine) else {
+            return;
+        };
+        e.ready = false;
+        let id = e.id;
+        self.index.remove_source(Holder::Endpoint(id));
+        self.scheduler.remove_endpoint(id);
+        self.inflight.remove_endpoint(id);
+        self.loads.remove(id);
     }
 
     /// Requests in flight in the EPP's accounting.
