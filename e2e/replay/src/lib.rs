@@ -32,8 +32,10 @@
 //! # Ok::<(), replay::ReplayError>(())
 //! ```
 
+pub mod autoscale;
 mod config;
 mod peer;
+pub mod profiler;
 mod queue;
 mod replay;
 mod router;
