@@ -1,20 +1,32 @@
-//! `kvgate-operator` reconciles `PoolAutoscaler` resources: an SLA planner that scales prefill
-//! and decode workloads through their `/scale` subresource to meet TTFT/ITL targets within a
-//! GPU budget.
+//! `kvgate-operator` reconciles `PoolAutoscaler` resources (`kvgate.io/v1alpha1`): once per
+//! planner interval it reads the pool's load and latency (from its EPP replicas' `/metrics` or
+//! a Prometheus), asks the planner (`crates/planner`) for each role's replicas, and scales the
+//! prefill, decode or aggregated workloads through their `/scale` subresource within the GPU
+//! budget, with status, conditions and Events saying why. It also keeps the ConfigMap of
+//! prefill endpoints the decode pods' sidecars may call. Replicas elect a leader on a Lease;
+//! only the leader acts.
 //!
-//! This build parses and validates the configuration only; the rest lands with issue #9.
+//! Layers, pure first: [`observe`] (two scrapes → load and latency), [`plan`] (CRD → planner
+//! configuration), [`allowlist::render`], [`leader::decide`]; then the adapters: [`source`]
+//! (scrapes, Prometheus), [`scale`] (`/scale`), [`allowlist::sync`], [`leader::Elector`],
+//! [`events`], [`controller`] (kube-runtime), [`metrics`] (:9093) and [`app`] (wiring).
 
+pub mod allowlist;
+pub mod app;
 mod args;
+pub mod controller;
+pub mod events;
+pub mod leader;
+pub mod metrics;
+pub mod observe;
+pub mod plan;
+pub mod scale;
+pub mod source;
 
 pub use args::Args;
 
-/// Validates the configuration, then runs the component.
-pub fn run(args: Args) -> Result<(), cli_support::StartError> {
-    args.validate().map_err(cli_support::StartError::Config)?;
-    Err(cli_support::NotInThisBuild {
-        component: "kvgate-operator",
-        capability: "the PoolAutoscaler controller",
-        issue: 9,
-    }
-    .into())
+/// Runs the operator until SIGINT/SIGTERM (see [`app`]).
+pub fn run(args: Args) -> Result<(), app::AppError> {
+    cli_support::init_tracing();
+    app::run(args)
 }
