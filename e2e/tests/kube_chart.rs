@@ -166,6 +166,20 @@ fn bad_values_fail_with_a_message_naming_them() {
             "nats: {mode: none}\nmodelServers: [{name: s, engine: sim}]",
             "set nats.mode to internal or external",
         ),
+        ("autoscaling: {enabled: true}", "autoscaling.roles: give both"),
+        (
+            "autoscaling: {enabled: true, roles: {both: {maxReplicas: 2}}}",
+            "/autoscaling/roles/both",
+        ),
+        (
+            "autoscaling: {enabled: true, roles: {both: {modelServer: nope, maxReplicas: 2}}}",
+            "modelServer \"nope\" names no modelServers entry",
+        ),
+        (
+            "autoscaling: {planner: {mode: Sometimes}}",
+            "/autoscaling/planner/mode",
+        ),
+        ("operator: {leaseDurationSeconds: 1}", "/operator/leaseDurationSeconds"),
     ] {
         let err = h
             .template("kvgate", "llm", &[&base, values])
@@ -450,6 +464,8 @@ fn allow_list() -> BTreeSet<String> {
 #[test]
 fn the_chart_grants_exactly_the_committed_rbac() {
     let h = helm("rbac");
+    let allowed = allow_list();
+    let mut rendered_roles = BTreeSet::new();
     for name in SETS {
         let r = render(&h, name);
         assert!(
@@ -458,15 +474,24 @@ fn the_chart_grants_exactly_the_committed_rbac() {
             "{name}: no cluster-wide RBAC"
         );
         let mut granted = BTreeSet::new();
+        let mut roles = BTreeSet::new();
         for role in r.of_kind("Role") {
             let role_name = role["metadata"]["name"].as_str().unwrap();
+            roles.insert(role_name.to_owned());
             for rule in role["rules"].as_array().unwrap() {
+                let names = rule["resourceNames"]
+                    .as_array()
+                    .map(|n| {
+                        let n: Vec<&str> = n.iter().map(|v| v.as_str().unwrap()).collect();
+                        format!(" [{}]", n.join(","))
+                    })
+                    .unwrap_or_default();
                 for g in rule["apiGroups"].as_array().unwrap() {
                     for res in rule["resources"].as_array().unwrap() {
                         for v in rule["verbs"].as_array().unwrap() {
                             let g = g.as_str().unwrap();
                             granted.insert(format!(
-                                "{role_name} {} {} {}",
+                                "{role_name} {} {} {}{names}",
                                 if g.is_empty() { "core" } else { g },
                                 res.as_str().unwrap(),
                                 v.as_str().unwrap()
@@ -476,10 +501,24 @@ fn the_chart_grants_exactly_the_committed_rbac() {
                 }
             }
         }
+        // Each Role the set renders grants exactly its lines of the allow-list.
+        let expected: BTreeSet<String> = allowed
+            .iter()
+            .filter(|l| roles.iter().any(|r| l.starts_with(&format!("{r} "))))
+            .cloned()
+            .collect();
         assert_eq!(
-            granted,
-            allow_list(),
+            granted, expected,
             "{name}: the chart's RBAC differs from e2e/testdata/rbac-allowlist.txt"
+        );
+        rendered_roles.extend(roles);
+    }
+    // And every Role of the allow-list is rendered by some value set.
+    for line in &allowed {
+        let role = line.split(' ').next().unwrap();
+        assert!(
+            rendered_roles.contains(role),
+            "the allow-list names {role}, which no value set renders"
         );
     }
 }

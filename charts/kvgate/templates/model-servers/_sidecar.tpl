@@ -90,6 +90,8 @@ sidecar's drain).
 - name: kvgate-prefillers
   configMap:
     name: {{ include "kvgate.prefillersName" .root }}
+    # The operator may create it after the pod starts; the sidecar refuses P/D until it exists.
+    optional: true
 {{- end -}}
 {{- end -}}
 
