@@ -37,6 +37,8 @@ use crate::source::{self, Http, SourceError};
 
 /// How soon a failed reconcile is tried again.
 const RETRY: Duration = Duration::from_secs(10);
+/// How often deleted autoscalers are looked for.
+const PRUNE_EVERY: Duration = Duration::from_secs(5);
 
 /// Why a reconcile failed (it is retried after [`RETRY`]).
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +86,33 @@ impl Context {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clear();
+    }
+
+    /// How many autoscalers have state.
+    pub fn tracked(&self) -> usize {
+        self.states
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len()
+    }
+
+    /// Forgets the autoscalers not in `live` (deleted ones): their planner state and their
+    /// per-autoscaler metric series.
+    pub fn retain(&self, live: &[(String, String)]) {
+        let mut states = self
+            .states
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let gone: Vec<(String, String)> = states
+            .keys()
+            .filter(|k| !live.contains(k))
+            .cloned()
+            .collect();
+        for (namespace, name) in gone {
+            states.remove(&(namespace.clone(), name.clone()));
+            self.metrics.forget(&namespace, &name);
+            tracing::info!(%namespace, autoscaler = %name, "autoscaler gone: its state and series forgotten");
+        }
     }
 
     /// A context; the planners' states start empty.
@@ -744,6 +773,25 @@ pub async fn run(
     };
     let controller = Controller::new(pas, watcher::Config::default());
     let store = controller.store();
+    // Deleted autoscalers (no finalizer, so no reconcile tells): forget them within seconds.
+    let known = store.clone();
+    let pruning = {
+        let ctx = Arc::clone(&ctx);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(PRUNE_EVERY).await;
+                if known.is_empty() && ctx.tracked() == 0 {
+                    continue;
+                }
+                let live: Vec<(String, String)> = known
+                    .state()
+                    .iter()
+                    .map(|pa| (pa.namespace().unwrap_or_default(), pa.name_any()))
+                    .collect();
+                ctx.retain(&live);
+            }
+        })
+    };
     // A pod change (a prefill pod ready, gone) refreshes the allow-lists of its namespace's
     // autoscalers at once; planning still waits for each autoscaler's interval.
     controller
@@ -768,4 +816,5 @@ pub async fn run(
             }
         })
         .await;
+    pruning.abort();
 }

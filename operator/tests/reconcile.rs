@@ -222,6 +222,19 @@ async fn missing_or_bad_metrics_hold_the_replicas_and_say_why() {
         condition(&get(&client, "qwen").await, "Ready").unwrap().0,
         "True"
     );
+
+    // Deleted, the autoscaler's series go too.
+    assert!(op.metrics.render().contains("autoscaler=\"qwen\""));
+    Api::<api::autoscaler::PoolAutoscaler>::namespaced(client.clone(), NS)
+        .delete("qwen", &Default::default())
+        .await
+        .unwrap();
+    until(
+        Duration::from_secs(20),
+        "the deleted autoscaler's series gone",
+        || async { (!op.metrics.render().contains("autoscaler=\"qwen\"")).then_some(()) },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
