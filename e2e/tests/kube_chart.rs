@@ -166,7 +166,10 @@ fn bad_values_fail_with_a_message_naming_them() {
             "nats: {mode: none}\nmodelServers: [{name: s, engine: sim}]",
             "set nats.mode to internal or external",
         ),
-        ("autoscaling: {enabled: true}", "autoscaling.roles: give both"),
+        (
+            "autoscaling: {enabled: true}",
+            "autoscaling.roles: give both",
+        ),
         (
             "autoscaling: {enabled: true, roles: {both: {maxReplicas: 2}}}",
             "/autoscaling/roles/both",
@@ -179,7 +182,10 @@ fn bad_values_fail_with_a_message_naming_them() {
             "autoscaling: {planner: {mode: Sometimes}}",
             "/autoscaling/planner/mode",
         ),
-        ("operator: {leaseDurationSeconds: 1}", "/operator/leaseDurationSeconds"),
+        (
+            "operator: {leaseDurationSeconds: 1}",
+            "/operator/leaseDurationSeconds",
+        ),
     ] {
         let err = h
             .template("kvgate", "llm", &[&base, values])
