@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
 
@@ -49,12 +49,34 @@ pub async fn create(
     namespace: &str,
     pod: &PodInfo,
 ) -> Result<Pod, KapiError> {
+    let engine = Container {
+        name: "engine".to_owned(),
+        image: Some("engine".to_owned()),
+        ..Container::default()
+    };
+    create_with_containers(client, namespace, pod, &[engine]).await
+}
+
+/// As [`create`], with the pod's `spec.containers` as given (names, images, ports: what readers
+/// of the pod such as a Service's named `targetPort` resolve against). At least one container.
+pub async fn create_with_containers(
+    client: &kube::Client,
+    namespace: &str,
+    pod: &PodInfo,
+    containers: &[Container],
+) -> Result<Pod, KapiError> {
+    if containers.is_empty() {
+        return Err(KapiError::io(
+            format!("build Pod {}", pod.name),
+            std::io::Error::other("a pod needs at least one container"),
+        ));
+    }
     let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let object: Pod = serde_json::from_value(json!({
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": pod.name, "namespace": namespace, "labels": pod.labels},
-        "spec": {"nodeName": pod.node, "containers": [{"name": "engine", "image": "engine"}]},
+        "spec": {"nodeName": pod.node, "containers": containers},
     }))
     .map_err(|e| KapiError::io("build a Pod", std::io::Error::other(e)))?;
     api.create(&PostParams::default(), &object).await?;

@@ -6,9 +6,22 @@
 //! token); kapi starts (RBAC on by default) with the test copies of the InferencePool and
 //! InferenceObjective CRDs; NATS starts on its own "service" address; `helm install` applies the
 //! chart; then, from the installed manifests, the block manager's DaemonSet pod, every
-//! model-server pod (engine and sidecar containers), the EPP replicas, and Envoy. Each pod is
-//! registered as a Pod object with its IP and turned Ready once its containers' probes pass,
-//! as a kubelet would.
+//! model-server pod (engine and sidecar containers), the EPP replicas, the operator replicas
+//! (when the chart renders the operator), and Envoy. Each pod is registered as a Pod object with
+//! its IP and its template's containers (names, images, ports) and turned Ready once its
+//! containers' probes pass, as a kubelet would. Stop order: the operator, Envoy, the EPPs, the
+//! model servers, the block manager, NATS.
+//!
+//! What the stack plays besides a kubelet (see [`super::podexec`] for the rules):
+//!
+//! - **ConfigMap volumes follow the API server**: a background task owned by the stack rewrites
+//!   every mounted ConfigMap's changed keys every [`CONFIG_MAP_REFRESH`].
+//! - **The Deployment controller, in part**: each Deployment's `status` replica counts are the
+//!   number of its pods running here, set whenever one starts or stops; and
+//!   [`KubeStack::follow_replicas`] brings the model-server Deployments' pods to their
+//!   `spec.replicas` (what the operator writes through `/scale`): new pods up to it, the newest
+//!   deleted down to it. The tests call it when they want the stack to follow, so what runs is
+//!   never a surprise to them.
 
 // serde_json's `Value[&str]` and `Value[usize]` return `Null` for a missing key or a value of
 // another type; they never panic, and the rendered manifests are read through them.
@@ -17,13 +30,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Secret};
 use kapi::pods::{self, PodInfo};
 use kapi::{Authorization, Kapi, KapiOptions, Token};
-use kube::api::{Api, DeleteParams};
-use serde_json::Value;
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use serde_json::{Value, json};
 
 use super::chart::{ChartError, Helm, Rendered};
 use super::gateway::{GatewayConfig, envoy_yaml};
@@ -35,6 +50,10 @@ use crate::stack::{Component, StackError};
 
 /// The node every emulated pod runs on.
 pub const NODE: &str = "node-a";
+
+/// How often mounted ConfigMaps are re-read (a kubelet's sync period plus its cache TTL make
+/// that up to about a minute in a real cluster).
+pub const CONFIG_MAP_REFRESH: Duration = Duration::from_millis(500);
 
 /// Why the Kubernetes stack failed.
 #[derive(Debug, thiserror::Error)]
@@ -204,6 +223,8 @@ pub enum PodKind {
     Epp(usize),
     /// The block manager on [`NODE`].
     Kvbm,
+    /// Operator replica `n`.
+    Operator(usize),
 }
 
 /// A running emulated pod.
@@ -211,8 +232,87 @@ pub enum PodKind {
 struct PodRun {
     ctx: PodContext,
     kind: PodKind,
+    /// Creation order across the stack (the newest pod has the largest).
+    seq: usize,
+    /// The Deployment it belongs to (none for the DaemonSet's pod).
+    deployment: Option<String>,
+    /// Its containers' named ports.
+    ports: BTreeMap<String, u16>,
     /// The Deployment/DaemonSet container specs it runs (for restarts).
     procs: Vec<(Component, Proc)>,
+}
+
+/// What [`KubeStack::follow_replicas`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Followed {
+    /// Pods started (Ready), in order.
+    pub started: Vec<String>,
+    /// Pods deleted, in order.
+    pub deleted: Vec<String>,
+}
+
+impl Followed {
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.started.is_empty() && self.deleted.is_empty()
+    }
+}
+
+/// A running pod's ConfigMap volume.
+#[derive(Debug, Clone)]
+struct ConfigMapVolume {
+    /// The pod.
+    pod: String,
+    /// The ConfigMap.
+    config_map: String,
+    /// Whether the ConfigMap may be missing (then the directory is empty).
+    optional: bool,
+    /// The volume's directory.
+    dir: PathBuf,
+}
+
+/// The ConfigMap volumes of the running pods, and the task keeping them current.
+#[derive(Debug)]
+struct Refresher {
+    volumes: Arc<Mutex<Vec<ConfigMapVolume>>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Refresher {
+    fn start(client: kube::Client, namespace: String) -> Self {
+        let volumes = Arc::new(Mutex::new(Vec::new()));
+        let task = tokio::spawn(refresh_config_maps(client, namespace, Arc::clone(&volumes)));
+        Self {
+            volumes,
+            task: Some(task),
+        }
+    }
+
+    fn add(&self, added: Vec<ConfigMapVolume>) {
+        self.volumes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(added);
+    }
+
+    fn remove_pod(&self, pod: &str) {
+        self.volumes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|v| v.pod != pod);
+    }
+
+    fn stop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for Refresher {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 /// The programs.
@@ -240,6 +340,7 @@ pub struct KubeStack {
     next_pod: usize,
     envoy: Option<Proc>,
     gateway: GatewayConfig,
+    refresher: Refresher,
 }
 
 impl KubeStack {
@@ -276,6 +377,13 @@ impl KubeStack {
         let tools = kapi::Tools::locate()?;
         let offline = Helm::new(&tools.helm, run_dir.join("helm"));
         let preview = offline.template(&config.release, &config.namespace, &refs(&values))?;
+        if operator_of(&preview).is_some() {
+            bins::existing(
+                "kvgate-operator",
+                programs.bin_dir.join("kvgate-operator"),
+                "the chart runs the operator; build it first: cargo build -p kvgate-operator",
+            )?;
+        }
         let tokens: Vec<Token> = preview
             .of_kind("ServiceAccount")
             .filter_map(|sa| sa["metadata"]["name"].as_str())
@@ -295,6 +403,7 @@ impl KubeStack {
         kapi::crds::install_dir(&client, &kapi::crds::test_copies_dir(), |_| true).await?;
         pods::ensure_namespace(&client, &config.namespace).await?;
         let helm = offline.with_kubeconfig(kapi.kubeconfig());
+        let refresher = Refresher::start(client.clone(), config.namespace.clone());
         let mut stack = KubeStack {
             gateway: GatewayConfig {
                 listen: SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?)),
@@ -318,6 +427,7 @@ impl KubeStack {
             pods: BTreeMap::new(),
             next_pod: 0,
             envoy: None,
+            refresher,
         };
         stack.start_nats()?;
         stack.helm.install(
@@ -342,6 +452,11 @@ impl KubeStack {
         let epp = stack.epp_deployment()?;
         for n in 0..stack.replicas("Deployment", &epp)? {
             stack.start_pod(PodKind::Epp(n)).await?;
+        }
+        if let Some(operator) = operator_of(&stack.manifest) {
+            for n in 0..stack.replicas("Deployment", &operator)? {
+                stack.start_pod(PodKind::Operator(n)).await?;
+            }
         }
         stack.start_envoy()?;
         tracing::info!(
@@ -447,6 +562,96 @@ impl KubeStack {
         self.run_dir.join(format!("{component}.log"))
     }
 
+    /// Operator replica `n`'s log file.
+    pub fn operator_log(&self, n: usize) -> PathBuf {
+        self.run_dir.join(format!("operator-{n}.log"))
+    }
+
+    /// The address of a running pod's container port named `port` (`http-metrics`,
+    /// `kvgate-metrics`, `http-engine`, …), from its template's containers.
+    pub fn pod_addr(&self, pod: &str, port: &str) -> Option<SocketAddr> {
+        let run = self.pods.get(pod)?;
+        let number = run.ports.get(port)?;
+        Some(SocketAddr::from((run.ctx.ip, *number)))
+    }
+
+    /// `GET path` on a running pod's named container port; the body of a 200.
+    pub fn pod_page(&self, pod: &str, port: &str, path: &str) -> std::io::Result<String> {
+        let addr = self
+            .pod_addr(pod, port)
+            .ok_or_else(|| std::io::Error::other(format!("no pod {pod} with a port {port}")))?;
+        page(addr, path)
+    }
+
+    /// The running pods of the Deployment `deployment`, oldest first: `(name, IP)`.
+    pub fn pods_of(&self, deployment: &str) -> Vec<(String, Ipv4Addr)> {
+        let mut runs: Vec<(&String, &PodRun)> = self
+            .pods
+            .iter()
+            .filter(|(_, p)| p.deployment.as_deref() == Some(deployment))
+            .collect();
+        runs.sort_by_key(|(_, p)| p.seq);
+        runs.into_iter()
+            .map(|(n, p)| (n.clone(), p.ctx.ip))
+            .collect()
+    }
+
+    /// The Deployment of the chart's `modelServers` entry `entry` (component
+    /// `model-server-<entry>`).
+    pub fn model_server_deployment(&self, entry: &str) -> Option<String> {
+        let component = format!("model-server-{entry}");
+        self.manifest
+            .of_kind("Deployment")
+            .find(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] == component.as_str())
+            .and_then(|d| d["metadata"]["name"].as_str().map(str::to_owned))
+    }
+
+    /// The operator replica `n`'s metrics page.
+    pub fn operator_metrics(&self, n: usize) -> std::io::Result<String> {
+        let name = self
+            .pods
+            .iter()
+            .find(|(_, p)| p.kind == PodKind::Operator(n))
+            .map(|(name, _)| name.clone())
+            .ok_or_else(|| std::io::Error::other(format!("no operator replica {n}")))?;
+        self.pod_page(&name, "http-metrics", "/metrics")
+    }
+
+    /// Plays the Deployment controller once for the model-server Deployments: reads each one's
+    /// `spec.replicas` from the API server, starts pods up to it (each returned once Ready),
+    /// and deletes the newest pods down to it. Status follows (see the module docs).
+    pub async fn follow_replicas(&mut self) -> Result<Followed, KubeStackError> {
+        let api: Api<Deployment> = Api::namespaced(self.client.clone(), &self.config.namespace);
+        let mut followed = Followed::default();
+        for deployment in self.model_server_deployments() {
+            let scale = api.get_scale(&deployment).await?;
+            let want = scale
+                .spec
+                .and_then(|s| s.replicas)
+                .and_then(|n| usize::try_from(n).ok())
+                .unwrap_or(0);
+            let mut running = self.pods_of(&deployment).len();
+            while running < want {
+                let name = self
+                    .start_pod(PodKind::ModelServer(deployment.clone()))
+                    .await?;
+                tracing::info!(pod = %name, %deployment, replicas = want, "scaled up: pod started");
+                followed.started.push(name);
+                running += 1;
+            }
+            while running > want {
+                let Some((newest, _)) = self.pods_of(&deployment).pop() else {
+                    break;
+                };
+                self.delete_pod(&newest).await?;
+                tracing::info!(pod = %newest, %deployment, replicas = want, "scaled down: pod deleted");
+                followed.deleted.push(newest);
+                running -= 1;
+            }
+        }
+        Ok(followed)
+    }
+
     /// Starts one more model-server pod of the first model-server Deployment (a scale-up);
     /// returns its name once it is Ready.
     pub async fn add_model_server(&mut self) -> Result<String, KubeStackError> {
@@ -463,22 +668,31 @@ impl KubeStack {
     pub async fn delete_pod(&mut self, name: &str) -> Result<(), KubeStackError> {
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.config.namespace);
         api.delete(name, &DeleteParams::default()).await?;
-        if let Some(run) = self.pods.remove(name) {
-            let grace = self.config.stop_grace;
-            tokio::task::block_in_place(|| {
-                for (_, proc) in run.procs.into_iter().rev() {
-                    proc.stop(grace);
-                }
-            });
-        }
+        self.refresher.remove_pod(name);
+        let deployment = match self.pods.remove(name) {
+            Some(run) => {
+                let grace = self.config.stop_grace;
+                tokio::task::block_in_place(|| {
+                    for (_, proc) in run.procs.into_iter().rev() {
+                        proc.stop(grace);
+                    }
+                });
+                run.deployment
+            }
+            None => None,
+        };
         match api
             .delete(name, &DeleteParams::default().grace_period(0))
             .await
         {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-            Err(e) => Err(e.into()),
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e.into()),
         }
+        if let Some(d) = deployment {
+            self.sync_deployment_status(&d).await?;
+        }
+        Ok(())
     }
 
     /// Flips a pod's `Ready` condition (its processes keep running).
@@ -517,25 +731,29 @@ impl KubeStack {
         Ok(())
     }
 
-    /// Stops Envoy, the EPPs, the model servers, the block manager and NATS, in that order;
-    /// the API server stops when the stack is dropped.
+    /// Stops the operator, Envoy, the EPPs, the model servers, the block manager and NATS, in
+    /// that order; the API server stops when the stack is dropped.
     pub fn stop(mut self) {
+        self.refresher.stop();
         let grace = self.config.stop_grace;
-        if let Some(e) = self.envoy.take() {
-            e.stop(grace);
-        }
-        let order = |k: &PodKind| match k {
-            PodKind::Epp(_) => 0,
-            PodKind::ModelServer(_) => 1,
-            PodKind::Kvbm => 2,
-        };
-        let mut runs: Vec<PodRun> = std::mem::take(&mut self.pods).into_values().collect();
-        runs.sort_by_key(|r| order(&r.kind));
-        for run in runs {
+        let stop_run = |run: PodRun| {
             for (_, proc) in run.procs.into_iter().rev() {
                 proc.stop(grace);
             }
+        };
+        let (operators, mut rest): (Vec<PodRun>, Vec<PodRun>) = std::mem::take(&mut self.pods)
+            .into_values()
+            .partition(|r| matches!(r.kind, PodKind::Operator(_)));
+        operators.into_iter().for_each(stop_run);
+        if let Some(e) = self.envoy.take() {
+            e.stop(grace);
         }
+        rest.sort_by_key(|r| match r.kind {
+            PodKind::Operator(_) | PodKind::Epp(_) => 0,
+            PodKind::ModelServer(_) => 1,
+            PodKind::Kvbm => 2,
+        });
+        rest.into_iter().for_each(stop_run);
         if let Some(n) = self.nats.take() {
             n.stop(grace);
         }
@@ -636,6 +854,11 @@ impl KubeStack {
             .collect()
     }
 
+    fn operator_deployment(&self) -> Result<String, KubeStackError> {
+        operator_of(&self.manifest)
+            .ok_or_else(|| KubeStackError::Manifest("no operator Deployment".into()))
+    }
+
     fn epp_deployment(&self) -> Result<String, KubeStackError> {
         self.manifest
             .of_kind("Deployment")
@@ -656,6 +879,7 @@ impl KubeStack {
         let (k, name) = match kind {
             PodKind::ModelServer(d) => ("Deployment", d.clone()),
             PodKind::Epp(_) => ("Deployment", self.epp_deployment()?),
+            PodKind::Operator(_) => ("Deployment", self.operator_deployment()?),
             PodKind::Kvbm => (
                 "DaemonSet",
                 self.manifest
@@ -711,10 +935,11 @@ impl KubeStack {
         self.next_pod += 1;
         let base = workload["metadata"]["name"].as_str().unwrap_or("pod");
         let name = match &kind {
-            PodKind::Epp(n) => format!("{base}-{n}"),
+            PodKind::Epp(n) | PodKind::Operator(n) => format!("{base}-{n}"),
             PodKind::Kvbm => format!("{base}-{NODE}"),
             PodKind::ModelServer(_) => format!("{base}-{index}"),
         };
+        let deployment = (workload["kind"] == "Deployment").then(|| base.to_owned());
         let ip = self.net.next();
         let ctx = PodContext {
             name: name.clone(),
@@ -732,7 +957,12 @@ impl KubeStack {
             .flatten()
             .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
             .collect();
-        pods::create(
+        let containers: Vec<Value> = spec["containers"].as_array().cloned().unwrap_or_default();
+        let registered = containers
+            .iter()
+            .map(registered_container)
+            .collect::<Result<Vec<Container>, _>>()?;
+        pods::create_with_containers(
             &self.client,
             &self.config.namespace,
             &PodInfo {
@@ -742,17 +972,20 @@ impl KubeStack {
                 ip: ip.into(),
                 ready: false,
             },
+            &registered,
         )
         .await?;
         let pod_dir = self.run_dir.join("pods").join(&name);
-        let volume_dirs = self.materialize_volumes(spec, &pod_dir).await?;
+        let (volume_dirs, config_maps) = self.materialize_volumes(&name, spec, &pod_dir).await?;
         let lookup = self.prefetch(spec).await?;
         let mut run = PodRun {
             ctx,
             kind: kind.clone(),
+            seq: index,
+            deployment: deployment.clone(),
+            ports: containers.iter().flat_map(podexec::ports).collect(),
             procs: Vec::new(),
         };
-        let containers: Vec<Value> = spec["containers"].as_array().cloned().unwrap_or_default();
         for container in &containers {
             let mounts = podexec::mounts(container, |v| {
                 volume_dirs
@@ -776,24 +1009,59 @@ impl KubeStack {
                     .env
                     .push(("KUBECONFIG".into(), kubeconfig.display().to_string()));
             }
-            let component = match (&kind, launch.container.as_str()) {
-                (PodKind::Epp(n), _) => Component::EppReplica(*n),
-                (PodKind::Kvbm, _) => Component::Kvbm,
-                (PodKind::ModelServer(_), "kvgate-sidecar") => Component::Sidecar(index),
-                (PodKind::ModelServer(_), _) => Component::Engine(index),
+            let (component, log) = match (&kind, launch.container.as_str()) {
+                (PodKind::Epp(n), _) => {
+                    let c = Component::EppReplica(*n);
+                    (c, self.log(c))
+                }
+                (PodKind::Kvbm, _) => (Component::Kvbm, self.log(Component::Kvbm)),
+                (PodKind::ModelServer(_), "kvgate-sidecar") => {
+                    let c = Component::Sidecar(index);
+                    (c, self.log(c))
+                }
+                (PodKind::ModelServer(_), _) => {
+                    let c = Component::Engine(index);
+                    (c, self.log(c))
+                }
+                // `stack::Component` has no operator variant: its errors name `router`, and
+                // its log is the operator's own (`operator-<n>.log`).
+                (PodKind::Operator(n), _) => (Component::Router, self.operator_log(*n)),
             };
-            let proc = self.spawn(component, &launch, container, ip, &kind)?;
+            let proc = self.spawn(component, log, &launch, container, ip, &kind)?;
             run.procs.push((component, proc));
         }
         pods::set_status(&self.client, &self.config.namespace, &name, ip.into(), true).await?;
         tracing::info!(pod = %name, %ip, kind = ?kind, "pod ready");
+        self.refresher.add(config_maps);
         self.pods.insert(name.clone(), run);
+        if let Some(d) = deployment {
+            self.sync_deployment_status(&d).await?;
+        }
         Ok(name)
+    }
+
+    /// Sets the Deployment's status replica counts to its pods running here, as the
+    /// Deployment controller would once they are Ready.
+    async fn sync_deployment_status(&self, deployment: &str) -> Result<(), KubeStackError> {
+        let api: Api<Deployment> = Api::namespaced(self.client.clone(), &self.config.namespace);
+        let generation = api.get(deployment).await?.metadata.generation;
+        let n = self.pods_of(deployment).len();
+        let patch = json!({"status": {
+            "observedGeneration": generation,
+            "replicas": n,
+            "readyReplicas": n,
+            "availableReplicas": n,
+            "updatedReplicas": n,
+        }});
+        api.patch_status(deployment, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+        Ok(())
     }
 
     fn spawn(
         &self,
         component: Component,
+        log: PathBuf,
         launch: &Launch,
         container: &Value,
         ip: Ipv4Addr,
@@ -804,7 +1072,7 @@ impl KubeStack {
             program: launch.program.clone(),
             args: launch.args.clone(),
             env: launch.env.clone(),
-            log: self.log(component),
+            log,
         };
         let mut proc = Proc::spawn(spec)?;
         let ports = podexec::ports(container);
@@ -864,21 +1132,17 @@ impl KubeStack {
     }
 
     /// Writes each Secret, ConfigMap, hostPath and scratch volume of the pod into a directory;
-    /// returns the directories by volume name. hostPath volumes are shared by the node's pods.
+    /// returns the directories by volume name, and the ConfigMap volumes to keep current.
+    /// hostPath volumes are shared by the node's pods. A missing Secret or ConfigMap is an
+    /// error unless the volume says `optional: true` (then the directory stays empty).
     async fn materialize_volumes(
         &self,
+        pod: &str,
         spec: &Value,
         pod_dir: &Path,
-    ) -> Result<BTreeMap<String, PathBuf>, KubeStackError> {
-        let io = |what: String| {
-            move |source| {
-                KubeStackError::Stack(StackError::Io {
-                    what: what.clone(),
-                    source,
-                })
-            }
-        };
+    ) -> Result<(BTreeMap<String, PathBuf>, Vec<ConfigMapVolume>), KubeStackError> {
         let mut dirs = BTreeMap::new();
+        let mut config_maps = Vec::new();
         let ns = &self.config.namespace;
         for v in spec["volumes"].as_array().into_iter().flatten() {
             let Some(name) = v["name"].as_str() else {
@@ -892,37 +1156,62 @@ impl KubeStack {
             } else {
                 pod_dir.join("volumes").join(name)
             };
-            std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
-            let mut files: Vec<(String, Vec<u8>)> = Vec::new();
+            std::fs::create_dir_all(&dir).map_err(|source| {
+                KubeStackError::Stack(StackError::Io {
+                    what: format!("creating {}", dir.display()),
+                    source,
+                })
+            })?;
+            let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
             if let Some(secret) = v["secret"]["secretName"].as_str() {
-                let s = Api::<Secret>::namespaced(self.client.clone(), ns)
-                    .get(secret)
-                    .await?;
-                files.extend(
-                    s.data
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(|(k, v)| (k, v.0)),
-                );
+                let optional = v["secret"]["optional"].as_bool() == Some(true);
+                match Api::<Secret>::namespaced(self.client.clone(), ns)
+                    .get_opt(secret)
+                    .await?
+                {
+                    Some(s) => files.extend(
+                        s.data
+                            .unwrap_or_default()
+                            .into_iter()
+                            .map(|(k, v)| (k, v.0)),
+                    ),
+                    None if optional => {}
+                    None => {
+                        return Err(KubeStackError::Manifest(format!(
+                            "pod {pod}: volume {name}: Secret {secret} not found"
+                        )));
+                    }
+                }
             }
             if let Some(cm) = v["configMap"]["name"].as_str() {
-                let c = Api::<ConfigMap>::namespaced(self.client.clone(), ns)
-                    .get(cm)
-                    .await?;
-                files.extend(
-                    c.data
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(|(k, v)| (k, v.into_bytes())),
-                );
+                let optional = v["configMap"]["optional"].as_bool() == Some(true);
+                match Api::<ConfigMap>::namespaced(self.client.clone(), ns)
+                    .get_opt(cm)
+                    .await?
+                {
+                    Some(c) => files.extend(config_map_files(c)),
+                    None if optional => {}
+                    None => {
+                        return Err(KubeStackError::Manifest(format!(
+                            "pod {pod}: volume {name}: ConfigMap {cm} not found"
+                        )));
+                    }
+                }
+                config_maps.push(ConfigMapVolume {
+                    pod: pod.to_owned(),
+                    config_map: cm.to_owned(),
+                    optional,
+                    dir: dir.clone(),
+                });
             }
-            for (file, bytes) in files {
-                let path = dir.join(&file);
-                std::fs::write(&path, bytes).map_err(io(format!("writing {}", path.display())))?;
+            // Only Secret and ConfigMap volumes are the objects' keys and nothing else
+            // (hostPath and scratch volumes keep what is in them).
+            if v["secret"].is_object() || v["configMap"].is_object() {
+                write_files(&dir, &files).map_err(KubeStackError::Stack)?;
             }
             dirs.insert(name.to_owned(), dir);
         }
-        Ok(dirs)
+        Ok((dirs, config_maps))
     }
 
     /// Every Secret and ConfigMap key the pod's env references, read now.
@@ -988,16 +1277,140 @@ impl std::fmt::Debug for KubeStack {
 
 impl Drop for KubeStack {
     fn drop(&mut self) {
+        self.refresher.stop();
+        let (operators, others): (Vec<PodRun>, Vec<PodRun>) = std::mem::take(&mut self.pods)
+            .into_values()
+            .partition(|r| matches!(r.kind, PodKind::Operator(_)));
+        for run in operators {
+            for (_, proc) in run.procs {
+                proc.kill();
+            }
+        }
         if let Some(e) = self.envoy.take() {
             e.kill();
         }
-        for run in std::mem::take(&mut self.pods).into_values() {
+        for run in others {
             for (_, proc) in run.procs {
                 proc.kill();
             }
         }
         if let Some(n) = self.nats.take() {
             n.kill();
+        }
+    }
+}
+
+/// The Deployment of the chart's operator (component `operator`), if it renders one.
+fn operator_of(rendered: &Rendered) -> Option<String> {
+    rendered
+        .of_kind("Deployment")
+        .find(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] == "operator")
+        .and_then(|d| d["metadata"]["name"].as_str().map(str::to_owned))
+}
+
+/// A container as the Pod object lists it: name, image and ports as rendered (the ports are
+/// what a Service's named `targetPort` resolves against).
+fn registered_container(rendered: &Value) -> Result<Container, KubeStackError> {
+    let c = json!({
+        "name": rendered["name"],
+        "image": rendered["image"],
+        "ports": rendered["ports"],
+    });
+    serde_json::from_value(c)
+        .map_err(|e| KubeStackError::Manifest(format!("container {}: {e}", rendered["name"])))
+}
+
+/// A ConfigMap's keys as files: `data` as UTF-8, `binaryData` as is.
+fn config_map_files(c: ConfigMap) -> BTreeMap<String, Vec<u8>> {
+    let mut files: BTreeMap<String, Vec<u8>> = c
+        .data
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, v.into_bytes()))
+        .collect();
+    files.extend(
+        c.binary_data
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, v.0)),
+    );
+    files
+}
+
+/// Makes `dir` hold exactly `files` as a kubelet's atomic writer would: each changed key is
+/// written to a temporary file and renamed over the old one (a reader sees the old content or
+/// the new, never a part), and files of keys no longer present are removed. Hidden files are
+/// left alone. Returns whether anything changed.
+fn write_files(dir: &Path, files: &BTreeMap<String, Vec<u8>>) -> Result<bool, StackError> {
+    let io = |what: String| move |source| StackError::Io { what, source };
+    let mut changed = false;
+    for (key, bytes) in files {
+        let path = dir.join(key);
+        if std::fs::read(&path).is_ok_and(|old| old == *bytes) {
+            continue;
+        }
+        let tmp = dir.join(format!(".{key}.tmp"));
+        std::fs::write(&tmp, bytes).map_err(io(format!("writing {}", tmp.display())))?;
+        std::fs::rename(&tmp, &path).map_err(io(format!("renaming to {}", path.display())))?;
+        changed = true;
+    }
+    let entries = std::fs::read_dir(dir).map_err(io(format!("reading {}", dir.display())))?;
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let stale = !name.starts_with('.') && !files.contains_key(&name);
+        if stale && entry.file_type().is_ok_and(|t| t.is_file()) {
+            std::fs::remove_file(entry.path())
+                .map_err(io(format!("removing {}", entry.path().display())))?;
+            changed = true;
+        }
+    }
+    Ok(changed)
+}
+
+/// Every [`CONFIG_MAP_REFRESH`], re-reads each ConfigMap mounted by a running pod and brings its
+/// volumes up to date ([`write_files`]). An optional ConfigMap that is missing empties its
+/// volumes (a kubelet writes an empty payload); a required one that is missing, or a failed
+/// read, leaves them as they are.
+async fn refresh_config_maps(
+    client: kube::Client,
+    namespace: String,
+    volumes: Arc<Mutex<Vec<ConfigMapVolume>>>,
+) {
+    let api: Api<ConfigMap> = Api::namespaced(client, &namespace);
+    let mut tick = tokio::time::interval(CONFIG_MAP_REFRESH);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let current: Vec<ConfigMapVolume> = volumes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let names: BTreeSet<&str> = current.iter().map(|v| v.config_map.as_str()).collect();
+        for name in names {
+            let found = match api.get_opt(name).await {
+                Ok(found) => found,
+                Err(e) => {
+                    tracing::debug!(config_map = name, error = %e, "ConfigMap not re-read");
+                    continue;
+                }
+            };
+            let files = found.map(config_map_files);
+            for v in current.iter().filter(|v| v.config_map == name) {
+                let files = match (&files, v.optional) {
+                    (Some(f), _) => f,
+                    (None, true) => &BTreeMap::new(),
+                    (None, false) => continue,
+                };
+                match write_files(&v.dir, files) {
+                    Ok(true) => {
+                        tracing::info!(pod = %v.pod, config_map = name, "ConfigMap volume updated");
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(pod = %v.pod, config_map = name, error = %e, "ConfigMap volume not updated");
+                    }
+                }
+            }
         }
     }
 }
@@ -1077,6 +1490,49 @@ mod tests {
         assert_ne!(a, b);
         assert_ne!(a, service);
         assert!(a.is_loopback() && service.is_loopback());
+    }
+
+    #[test]
+    fn volume_files_are_replaced_whole_and_stale_keys_removed() {
+        let dir = std::env::temp_dir().join(format!("kvgate-volume-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let files = |pairs: &[(&str, &str)]| -> BTreeMap<String, Vec<u8>> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))
+                .collect()
+        };
+        assert!(write_files(&dir, &files(&[("a", "1"), ("b", "2")])).unwrap());
+        assert!(!write_files(&dir, &files(&[("a", "1"), ("b", "2")])).unwrap());
+        assert!(write_files(&dir, &files(&[("a", "3")])).unwrap());
+        assert_eq!(std::fs::read_to_string(dir.join("a")).unwrap(), "3");
+        assert!(!dir.join("b").exists(), "a key that went away is removed");
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, vec!["a"], "no temporary file is left");
+        assert!(write_files(&dir, &BTreeMap::new()).unwrap());
+        assert!(
+            !dir.join("a").exists(),
+            "an empty payload empties the volume"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn containers_register_with_their_named_ports() {
+        let rendered = json!({"name": "epp", "image": "ghcr.io/kvgate/kvgate-epp:0.1.0",
+            "args": ["--x"], "ports": [{"name": "http-metrics", "containerPort": 9090, "protocol": "TCP"}]});
+        let c = registered_container(&rendered).unwrap();
+        assert_eq!(c.name, "epp");
+        assert!(c.args.is_none(), "only name, image and ports");
+        let ports = c.ports.unwrap();
+        assert_eq!(ports[0].name.as_deref(), Some("http-metrics"));
+        assert_eq!(ports[0].container_port, 9090);
+        let bare = registered_container(&json!({"name": "x", "image": "y"})).unwrap();
+        assert!(bare.ports.is_none());
     }
 
     #[test]

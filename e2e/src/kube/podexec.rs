@@ -17,7 +17,17 @@
 //!   then `$(VAR)` references in arguments expanded as Kubernetes does.
 //! - **Volumes.** Each mount's `mountPath` is a directory of the run directory (the caller fills
 //!   Secret and ConfigMap volumes from the API server); arguments naming a path under a mount
-//!   are rewritten to the local directory.
+//!   are rewritten to the local directory. A missing Secret or ConfigMap fails the pod's start
+//!   unless the volume is `optional` (then the directory starts empty).
+//! - **ConfigMap volumes follow the API server.** As a kubelet's do, every mounted ConfigMap is
+//!   re-read while its pod runs (here every 500 ms; a kubelet's sync period and cache make that
+//!   up to about a minute) and changed keys are rewritten atomically (a temporary file renamed
+//!   over the old one, so a reader sees the old content or the new, never a part); keys that
+//!   went away are removed, and an `optional` ConfigMap created after the pod started appears
+//!   then. Secret volumes are written once, at the pod's start.
+//! - **Pod objects.** A pod is registered with its template's labels and containers (names,
+//!   images, ports: what a Service's named `targetPort` resolves against), its IP, and `Ready`
+//!   once its containers' readiness probes pass.
 //! - **ServiceAccount token.** kapi has no TokenRequest: a pod with a mounted token gets
 //!   `KUBECONFIG` for a kubeconfig holding a static token of its ServiceAccount.
 
