@@ -6,13 +6,14 @@
 //!    make every alert fire once and stay silent once; every alert links its runbook section;
 //! 2. the dashboards are well formed (data source, namespace and pool variables on every query);
 //! 3. a real `prometheus` scrapes the local stack (EPP, sidecars, simulated engines, block
-//!    manager) through the ServiceMonitor's and PodMonitors' own relabelings, while load runs
-//!    through Envoy, and every query of every dashboard panel returns data.
+//!    manager) and `kvgate-operator` (reconciling a PoolAutoscaler of the stack's pool in kapi,
+//!    reading the stack's EPP) through the ServiceMonitor's and PodMonitors' own relabelings,
+//!    while load runs through Envoy, and every query of every dashboard panel returns data.
 //!
-//! Needs helm at `.cache/kube/bin/helm` and Envoy in `.venv` (scripts/bootstrap.sh), `promtool`
-//! and `prometheus` on the PATH (Debian package `prometheus`), `nats-server` and `redis-server`,
-//! and `kvgate-epp`, `kvgate-sidecar`, `kvgate-kvbm` built into the same target directory. A
-//! missing tool fails the test and names it.
+//! Needs helm, kapi and etcd at `.cache/kube/bin` and Envoy in `.venv` (scripts/bootstrap.sh),
+//! `promtool` and `prometheus` on the PATH (Debian package `prometheus`), `nats-server` and
+//! `redis-server`, and `kvgate-epp`, `kvgate-sidecar`, `kvgate-kvbm`, `kvgate-operator` built
+//! into the same target directory. A missing tool fails the test and names it.
 
 #![allow(
     clippy::unwrap_used,
@@ -152,8 +153,11 @@ fn the_alert_rules_pass_promtool_and_every_alert_fires_and_stays_silent_in_a_tes
             problems.push(format!("a rule without an alert name: {rule:?}"));
             continue;
         }
-        if !matches!(text(&rule["labels"]["severity"]), "critical" | "warning") {
-            problems.push(format!("{name}: severity is not critical or warning"));
+        if !matches!(
+            text(&rule["labels"]["severity"]),
+            "critical" | "warning" | "info"
+        ) {
+            problems.push(format!("{name}: severity is not critical, warning or info"));
         }
         for key in ["summary", "description"] {
             if text(&rule["annotations"][key]).trim().is_empty() {
@@ -438,8 +442,15 @@ struct Target {
 }
 
 /// The stack's processes behind a monitor endpoint, chosen by what the monitor selects (its
-/// selector's component label, or the pool's selector for the model servers) and the port name.
-fn targets_of(stack: &Stack, monitor: &Yaml, port: &str, pool_selector: &Yaml) -> Vec<Target> {
+/// selector's component label, or the pool's selector for the model servers) and the port name;
+/// the operator is `operator`'s process.
+fn targets_of(
+    stack: &Stack,
+    operator: &Operator,
+    monitor: &Yaml,
+    port: &str,
+    pool_selector: &Yaml,
+) -> Vec<Target> {
     let selector = &monitor["spec"]["selector"]["matchLabels"];
     let component = text(&selector["app.kubernetes.io/component"]);
     let kind = text(&monitor["kind"]);
@@ -455,6 +466,11 @@ fn targets_of(stack: &Stack, monitor: &Yaml, port: &str, pool_selector: &Yaml) -
             address: at(ports.kvbm_metrics),
             pod: "kvgate-kvbm-local".into(),
             container: "kvbm",
+        }],
+        ("PodMonitor", "operator", "http-metrics") => vec![Target {
+            address: at(operator.metrics_port),
+            pod: "kvgate-operator-0".into(),
+            container: "operator",
         }],
         ("PodMonitor", _, "kvgate-metrics") if selector == pool_selector => ports
             .engines
@@ -507,7 +523,13 @@ fn relabel(r: &Yaml) -> Json {
 /// One scrape job per monitor endpoint, targets labelled as Kubernetes discovery labels pods,
 /// then the relabelings the Operator generates (namespace, service, pod, container, endpoint,
 /// default job), then the chart's own.
-fn scrape_configs(stack: &Stack, monitors: &[Yaml], namespace: &str, pool_selector: &Yaml) -> Json {
+fn scrape_configs(
+    stack: &Stack,
+    operator: &Operator,
+    monitors: &[Yaml],
+    namespace: &str,
+    pool_selector: &Yaml,
+) -> Json {
     let mut jobs = Vec::new();
     for m in monitors {
         let kind = text(&m["kind"]);
@@ -524,7 +546,7 @@ fn scrape_configs(stack: &Stack, monitors: &[Yaml], namespace: &str, pool_select
         );
         for (i, e) in endpoints.as_sequence().unwrap().iter().enumerate() {
             let port = text(&e["port"]);
-            let static_configs: Vec<Json> = targets_of(stack, m, port, pool_selector)
+            let static_configs: Vec<Json> = targets_of(stack, operator, m, port, pool_selector)
                 .into_iter()
                 .map(|t| {
                     json!({
@@ -583,6 +605,192 @@ fn scrape_configs(stack: &Stack, monitors: &[Yaml], namespace: &str, pool_select
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": jobs,
     })
+}
+
+/// `kvgate-operator` (the real binary, leader election on) against kapi, reconciling a
+/// PoolAutoscaler of the stack's pool: the InferencePool names an EPP Service whose one pod is
+/// the stack's EPP (127.0.0.1, its metrics port), and the autoscaled Deployment starts at 0
+/// replicas under a minimum of 1, so the first decision scales it. Stopped (operator, then
+/// kapi) on drop.
+struct Operator {
+    child: Child,
+    metrics_port: u16,
+    _kapi: kapi::Kapi,
+    _runtime: tokio::runtime::Runtime,
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Operator {
+    fn start(stack: &Stack, dir: &Path) -> Operator {
+        use k8s_openapi::api::apps::v1::Deployment;
+        use k8s_openapi::api::core::v1::Service;
+
+        let binary = bin_dir().join("kvgate-operator");
+        assert!(
+            binary.is_file(),
+            "{} is missing: cargo build -p kvgate-operator",
+            binary.display()
+        );
+        let config = stack.config();
+        let (namespace, pool) = (config.namespace.clone(), config.pool.clone());
+        let epp_metrics = stack.ports().epp_metrics;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let kapi = runtime.block_on(async {
+            let kapi = kapi::Kapi::start(kapi::KapiOptions::default())
+                .await
+                .unwrap_or_else(|e| panic!("kapi did not start: {e}"));
+            let client = kapi.client().await.unwrap();
+            kapi::crds::install_dir(&client, &kapi::crds::test_copies_dir(), |f| {
+                f.contains("inferencepools")
+            })
+            .await
+            .unwrap();
+            kapi::crds::install_dir(&client, &kapi::crds::owned_dir(), |_| true)
+                .await
+                .unwrap();
+            kapi::pods::ensure_namespace(&client, &namespace)
+                .await
+                .unwrap();
+            let epp = format!("{pool}-epp");
+            let model = format!("{pool}-model");
+            let pool_object = json!({
+                "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+                "metadata": {"name": pool, "namespace": namespace},
+                "spec": {"selector": {"matchLabels": {"app": "kvgate-sim"}},
+                         "targetPorts": [{"number": 8000}],
+                         "endpointPickerRef": {"name": epp, "port": {"number": 9002}}}
+            });
+            create::<api::pool::v1::InferencePool>(&client, &namespace, pool_object).await;
+            let service = json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": epp, "namespace": namespace},
+                "spec": {"selector": {"app": "epp"},
+                         "ports": [{"name": "grpc-ext-proc", "port": 9002},
+                                   {"name": "http-metrics", "port": 9090,
+                                    "targetPort": epp_metrics}]}
+            });
+            create::<Service>(&client, &namespace, service).await;
+            let epp_pod = kapi::pods::PodInfo {
+                name: format!("{epp}-0"),
+                labels: BTreeMap::from([("app".into(), "epp".into())]),
+                node: "local".into(),
+                ip: std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+                ready: true,
+            };
+            kapi::pods::create(&client, &namespace, &epp_pod)
+                .await
+                .unwrap();
+            let deployment = json!({
+                "apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": {"name": model, "namespace": namespace},
+                "spec": {"replicas": 0,
+                         "selector": {"matchLabels": {"app": "model"}},
+                         "template": {"metadata": {"labels": {"app": "model"}},
+                                      "spec": {"containers": [{"name": "e", "image": "e"}]}}}
+            });
+            create::<Deployment>(&client, &namespace, deployment).await;
+            let target = json!({"apiVersion": "apps/v1", "kind": "Deployment", "name": model});
+            let autoscaler = json!({
+                "apiVersion": "kvgate.io/v1alpha1", "kind": "PoolAutoscaler",
+                "metadata": {"name": pool, "namespace": namespace},
+                "spec": {
+                    "poolRef": {"name": pool},
+                    "roles": {"both": {"scaleTargetRef": target,
+                                       "minReplicas": 1, "maxReplicas": 2}},
+                    "slo": {"ttftMs": 2000, "itlMs": 200},
+                    "planner": {"mode": "Load", "intervalSeconds": 5},
+                    "metrics": {"source": "Epp", "eppMetricsPortName": "http-metrics"}
+                }
+            });
+            create::<api::autoscaler::PoolAutoscaler>(&client, &namespace, autoscaler).await;
+            kapi
+        });
+        let metrics_port = support::free_port();
+        let log = std::fs::File::create(dir.join("operator.log")).unwrap();
+        let child = Command::new(&binary)
+            .args([
+                &format!("--namespace={namespace}"),
+                &format!("--metrics-port={metrics_port}"),
+                "--listen-address=127.0.0.1",
+                "--lease-name=kvgate-operator",
+                &format!("--lease-namespace={namespace}"),
+                "--identity=kvgate-operator-0",
+            ])
+            .env("KUBECONFIG", kapi.kubeconfig())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start kvgate-operator");
+        let mut operator = Operator {
+            child,
+            metrics_port,
+            _kapi: kapi,
+            _runtime: runtime,
+        };
+        // Ready once it serves its metrics and leads (the Lease is free: at once).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = operator.child.try_wait().unwrap() {
+                panic!(
+                    "kvgate-operator exited ({status}):\n{}",
+                    std::fs::read_to_string(dir.join("operator.log")).unwrap_or_default()
+                );
+            }
+            if let Ok((200, page)) =
+                probe::http_get(metrics_port, "/metrics", Duration::from_secs(1))
+                && page.contains("kvgate_operator_leader 1")
+            {
+                return operator;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "kvgate-operator did not lead within 20 s:\n{}",
+                std::fs::read_to_string(dir.join("operator.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Creates a namespaced object from its JSON, or fails naming its kind.
+async fn create<K>(client: &kube::Client, namespace: &str, object: Json)
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + serde::Serialize,
+    K::DynamicType: Default,
+{
+    let kind = object["kind"].clone();
+    let object: K = serde_json::from_value(object).unwrap();
+    kube::Api::<K>::namespaced(client.clone(), namespace)
+        .create(&kube::api::PostParams::default(), &object)
+        .await
+        .unwrap_or_else(|e| panic!("create {kind}: {e}"));
+}
+
+/// The directory of the kvgate binaries: the test executable's target directory.
+fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap();
+    if dir.ends_with("deps") {
+        dir.parent().unwrap().to_path_buf()
+    } else {
+        dir.to_path_buf()
+    }
 }
 
 /// Load through Envoy from a few threads, and a block-manager connector offloading and
@@ -729,6 +937,10 @@ fn label_values(query: &str) -> Option<(&str, &str)> {
 fn every_dashboard_panel_has_data_while_the_stack_serves_load() {
     // Tools first: a missing one fails before anything starts.
     on_path("prometheus", INSTALL_PROMETHEUS);
+    assert!(
+        bin_dir().join("kvgate-operator").is_file(),
+        "kvgate-operator is not built: cargo build -p kvgate-operator"
+    );
     let config = StackConfig {
         kvbm: Some(KvbmConfig {
             host_bytes: 4 << 20,
@@ -751,6 +963,8 @@ fn every_dashboard_panel_has_data_while_the_stack_serves_load() {
             "--set",
             "kvbm.enabled=true",
             "--set",
+            "operator.enabled=true",
+            "--set",
             "monitoring.serviceMonitor.enabled=true",
             "--set",
             "monitoring.podMonitor.enabled=true",
@@ -770,9 +984,10 @@ fn every_dashboard_panel_has_data_while_the_stack_serves_load() {
     let started = Instant::now();
     let stack = Stack::start(config).unwrap_or_else(|e| panic!("stack did not start: {e}"));
     let dir = scratch("prometheus");
+    let operator = Operator::start(&stack, &dir);
     let prometheus = Prometheus::start(
         &dir,
-        &scrape_configs(&stack, &monitors, &namespace, &pool_selector),
+        &scrape_configs(&stack, &operator, &monitors, &namespace, &pool_selector),
     );
     let load = Load::start(&stack);
     std::thread::sleep(WARM_UP);
@@ -794,7 +1009,7 @@ fn every_dashboard_panel_has_data_while_the_stack_serves_load() {
     let scraped = targets["activeTargets"].as_array().unwrap().len();
     assert_eq!(
         scraped,
-        1 + 2 * stack.ports().engines.len() + 1,
+        1 + 2 * stack.ports().engines.len() + 1 + 1,
         "{targets}"
     );
     assert!(down.is_empty(), "targets down:\n{}", down.join("\n"));
@@ -893,6 +1108,7 @@ fn every_dashboard_panel_has_data_while_the_stack_serves_load() {
         alerting.join("\n")
     );
     drop(prometheus);
+    drop(operator);
     let run_dir = stack.run_dir().to_path_buf();
     stack.stop();
     std::fs::remove_dir_all(run_dir).unwrap();

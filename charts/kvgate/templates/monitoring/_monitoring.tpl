@@ -2,7 +2,8 @@
 Scrape relabelings shared by the ServiceMonitor and the PodMonitors. The Prometheus Operator
 already sets namespace, pod, container and instance from the target; these add the labels
 kvgate's alerts and dashboards select on, whatever the Operator's defaults:
-  job:  kvgate-epp | kvgate-sidecar | kvgate-engine | kvgate-kvbm (stable across releases);
+  job:  kvgate-epp | kvgate-sidecar | kvgate-engine | kvgate-kvbm | kvgate-operator (stable
+        across releases);
   pool: the InferencePool's name (the EPP exports it on its own metrics only, the sidecars,
         engines and block managers not at all);
   node: for the block managers, the node they manage (pass "node" true).
