@@ -70,7 +70,8 @@ pub enum Mode {
     Throughput,
     /// From an online regression of latency on load per replica, one replica per interval.
     Load,
-    /// Load mode, with the throughput mode's answer as a floor.
+    /// Load mode, with the throughput mode's answer as a floor; where the load model has no
+    /// usable regression yet (a latency flat under load), the throughput answer alone.
     Both,
 }
 
@@ -137,6 +138,9 @@ pub struct Tuning {
     /// only to a count that leaves this fraction of headroom over its need (HPA's 10%
     /// tolerance), so a need hovering at a boundary does not flap.
     pub tolerance: f64,
+    /// Load mode: how long, in seconds, the least load per replica at which a latency missed
+    /// its objective keeps the role from scaling down to that load again (≥ 0).
+    pub miss_memory_s: f64,
 }
 
 impl Default for Tuning {
@@ -148,6 +152,7 @@ impl Default for Tuning {
             target_utilisation: 0.85,
             regression_forgetting: 0.9,
             tolerance: 0.1,
+            miss_memory_s: 600.0,
         }
     }
 }
@@ -391,6 +396,12 @@ impl PlannerConfig {
             t.tolerance,
             (0.0..1.0).contains(&t.tolerance),
             "[0, 1)",
+        )?;
+        within(
+            "tuning.miss_memory_s",
+            t.miss_memory_s,
+            t.miss_memory_s.is_finite() && t.miss_memory_s >= 0.0,
+            "[0, ∞)",
         )?;
         match (&self.profile, self.mode) {
             (None, Mode::Throughput | Mode::Both) => Err(ConfigError::ProfileRequired(self.mode)),

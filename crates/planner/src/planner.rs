@@ -55,12 +55,35 @@ pub struct Planner {
     ttft: Regression,
     /// ITL against decoding sequences per ready replica.
     itl: Regression,
-    /// The least prompt tokens/s per ready replica at which TTFT missed the SLO.
-    ttft_missed_at: Option<f64>,
-    /// The least output tokens/s per ready replica at which ITL missed the SLO.
-    itl_missed_at: Option<f64>,
+    /// The least prompt tokens/s per ready replica at which TTFT missed the SLO, lately.
+    ttft_missed: Miss,
+    /// The least output tokens/s per ready replica at which ITL missed the SLO, lately.
+    itl_missed: Miss,
     governors: BTreeMap<Role, Governor>,
     last_at: Option<f64>,
+}
+
+/// The least load per replica at which a latency missed its SLO, and when it was last seen
+/// at or below that load: a miss is remembered for [`Tuning::miss_memory_s`] (the pool and
+/// its traffic change; a miss from long ago should not hold replicas for ever).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Miss(Option<(f64, f64)>);
+
+impl Miss {
+    /// The remembered load at `now`, if the miss is recent enough.
+    fn load(self, now: f64, memory_s: f64) -> Option<f64> {
+        self.0
+            .filter(|&(_, at)| now - at <= memory_s)
+            .map(|(x, _)| x)
+    }
+
+    /// A miss at load `x` at time `at`.
+    fn record(&mut self, x: f64, at: f64, memory_s: f64) {
+        self.0 = match self.load(at, memory_s) {
+            Some(v) if v < x => self.0,
+            _ => Some((x, at)),
+        };
+    }
 }
 
 /// One latency signal of the load model.
@@ -110,7 +133,7 @@ fn per(demand: f64, capacity: f64) -> f64 {
 
 /// The throughput model: the replicas (fractional) `role` needs for `load` with `profile`,
 /// planning for `utilisation` of each replica's capacity at the SLO:
-/// `prefill = rps·isl ÷ (prefill_capacity(ttft) / c_prefill · u)`,
+/// `prefill = rps·isl ÷ (prefill_capacity(ttft / c_prefill) · u)`,
 /// `decode = rps·osl ÷ (decode_capacity(itl / c_decode, isl + osl/2) · u)`, and
 /// `both = prefill + decode` (an aggregated replica time-shares the two). Infinite when the
 /// profile gives no capacity at all for a positive load.
@@ -122,8 +145,11 @@ pub fn throughput_need(
     corrections: Corrections,
     role: Role,
 ) -> f64 {
+    // Both corrections scale the latency the profile is read at (a replica whose latency is
+    // `c` times the profile's meets the objective where the profile meets objective / c),
+    // which stays right where the curve bends, unlike scaling the capacity.
     let prefill_capacity =
-        profile.prefill_capacity(slo.ttft_ms) / corrections.prefill * utilisation;
+        profile.prefill_capacity(slo.ttft_ms / corrections.prefill) * utilisation;
     let decode_capacity = profile
         .decode_capacity(slo.itl_ms / corrections.decode, load.decode_context())
         * utilisation;
@@ -168,8 +194,8 @@ impl Planner {
             corrections: Corrections::NONE,
             ttft: Regression::new(config.tuning.regression_forgetting),
             itl: Regression::new(config.tuning.regression_forgetting),
-            ttft_missed_at: None,
-            itl_missed_at: None,
+            ttft_missed: Miss::default(),
+            itl_missed: Miss::default(),
             governors,
             last_at: None,
             config,
@@ -193,6 +219,18 @@ impl Planner {
         } else {
             Role::Prefill
         }
+    }
+
+    /// Whether, in a disaggregated pool, the interval's ITL misses its objective: first tokens
+    /// then also wait for decode slots, so TTFT says nothing about prefill.
+    fn decode_saturated(&self, m: &Metrics) -> bool {
+        self.prefill_role() != self.decode_role()
+            && m.itl_ms.is_some_and(|itl| itl > self.config.slo.itl_ms)
+    }
+
+    /// The time of the latest observation (0 before any).
+    fn now(&self) -> f64 {
+        self.last_at.unwrap_or(0.0)
     }
 
     /// The role that decodes.
@@ -233,8 +271,8 @@ impl Planner {
             }
             self.ttft.reset();
             self.itl.reset();
-            self.ttft_missed_at = None;
-            self.itl_missed_at = None;
+            self.ttft_missed = Miss::default();
+            self.itl_missed = Miss::default();
         }
         self.last_at = Some(obs.at_s);
         self.rps.observe(m.rps);
@@ -357,7 +395,11 @@ impl Planner {
                 c
             }
         };
-        if let (true, Some(ttft)) = (ready_prefill > 0, m.ttft_ms) {
+        let now = self.now();
+        // In a disaggregated pool a request's first token also waits for a decode slot: while
+        // decode misses its ITL objective (saturated), TTFT says nothing about prefill.
+        let decode_saturated = self.decode_saturated(m);
+        if let (true, false, Some(ttft)) = (ready_prefill > 0, decode_saturated, m.ttft_ms) {
             let x = observed.prefill_tokens_per_s() / f64::from(ready_prefill);
             // Points deep in overload (queues growing) say nothing about where the SLO is
             // crossed and would tilt a straight line: they are only remembered as misses.
@@ -365,7 +407,7 @@ impl Planner {
                 self.ttft.observe(x, ttft);
             }
             if ttft > slo.ttft_ms {
-                self.ttft_missed_at = Some(self.ttft_missed_at.map_or(x, |v| v.min(x)));
+                self.ttft_missed.record(x, now, t.miss_memory_s);
             }
             if let Some(p) = &self.config.profile
                 && x >= t.correction_min_utilisation * p.prefill_capacity(slo.ttft_ms)
@@ -377,7 +419,7 @@ impl Planner {
         if let (true, Some(itl)) = (ready_decode > 0, m.itl_ms) {
             let y = observed.decode_tokens_per_s() / f64::from(ready_decode);
             if itl > slo.itl_ms {
-                self.itl_missed_at = Some(self.itl_missed_at.map_or(y, |v| v.min(y)));
+                self.itl_missed.record(y, now, t.miss_memory_s);
             }
             // Little's law: sequences decoding per replica = tokens/s × seconds per token.
             if itl <= OVERLOAD * slo.itl_ms {
@@ -414,7 +456,9 @@ impl Planner {
     /// at which the SLO was ever missed (since the last restart); else none. That last rule
     /// keeps a regression fitted to a curved latency from trying the same failing count again
     /// and again. Returns the need (the regression's replicas, the largest over the role's
-    /// signals; `current` without a fit) and the step.
+    /// signals; `current` without a fit), the step, whether every signal had a usable
+    /// regression (without one the model knows when to add, never when to remove), and the
+    /// fewest replicas the remembered misses allow (at most `current`).
     fn load_step(
         &self,
         role: Role,
@@ -422,20 +466,28 @@ impl Planner {
         m: &Metrics,
         current: u32,
         ready: u32,
-    ) -> (f64, u32) {
+    ) -> (f64, u32, bool, u32) {
         let slo = self.config.slo;
         let tol = self.config.tuning.tolerance;
         let fewer = f64::from(current.saturating_sub(1).max(1));
+        // A first token late behind a saturated decode role is not prefill's miss, where the
+        // profile says prefill has the capacity (without a profile it cannot be told apart).
+        let not_prefills = self.decode_saturated(m)
+            && self
+                .throughput_need(role, load)
+                .is_some_and(|n| n <= f64::from(current));
         let prefill = || Signal {
             need: self
                 .ttft
                 .fit()
                 .and_then(|l| l.load_at(slo.ttft_ms))
                 .map(|x| load.prefill_tokens_per_s() / x),
-            observed: m.ttft_ms,
+            observed: m.ttft_ms.filter(|_| !not_prefills),
             target: slo.ttft_ms,
             fewer_load: load.prefill_tokens_per_s() / fewer,
-            missed_at: self.ttft_missed_at,
+            missed_at: self
+                .ttft_missed
+                .load(self.now(), self.config.tuning.miss_memory_s),
         };
         // At the target, a replica decoding `c` sequences makes c / ITL tokens/s.
         let decode = || Signal {
@@ -447,7 +499,9 @@ impl Planner {
             observed: m.itl_ms,
             target: slo.itl_ms,
             fewer_load: load.decode_tokens_per_s() / fewer,
-            missed_at: self.itl_missed_at,
+            missed_at: self
+                .itl_missed
+                .load(self.now(), self.config.tuning.miss_memory_s),
         };
         let signals = match role {
             Role::Prefill => vec![prefill()],
@@ -483,7 +537,25 @@ impl Planner {
         } else {
             current
         };
-        (need, step)
+        // The fewest replicas that keep every signal's load per replica within the tolerance
+        // of the least load at which it missed the SLO (at most `current`).
+        let lowest_safe = signals
+            .iter()
+            .filter_map(|s| {
+                let v = s.missed_at? * (1.0 - tol);
+                Some(count(
+                    s.fewer_load * f64::from(current.saturating_sub(1).max(1)) / v,
+                ))
+            })
+            .max()
+            .unwrap_or(0)
+            .min(current);
+        (
+            need,
+            step,
+            signals.iter().all(|s| s.need.is_some()),
+            lowest_safe,
+        )
     }
 
     /// The role's need, its unbounded recommendation, and which model made it.
@@ -504,14 +576,19 @@ impl Planner {
                 Source::Throughput,
             ),
             Mode::Load => {
-                let (need, step) = self.load_step(role, load, m, current, ready);
+                let (need, step, _, _) = self.load_step(role, load, m, current, ready);
                 (need, step, Source::Load)
             }
             Mode::Both => {
-                let (need, step) = self.load_step(role, load, m, current, ready);
+                let (need, step, informed, safe) = self.load_step(role, load, m, current, ready);
                 let floor = dead_band(throughput, current, tol);
                 if floor > step {
                     (throughput, floor, Source::Throughput)
+                } else if !informed && step <= current {
+                    // A load model without a regression (a latency flat under load) only knows
+                    // when to add a replica; the throughput model decides the rest, but not
+                    // below a count whose load per replica has missed the SLO.
+                    (throughput, floor.max(safe), Source::Throughput)
                 } else {
                     (need, step, Source::Load)
                 }
@@ -725,17 +802,57 @@ mod tests {
     }
 
     #[test]
+    fn a_slow_first_token_while_decode_misses_is_not_blamed_on_prefill() {
+        let mut planner = Planner::new(config(Mode::Throughput)).unwrap();
+        planner.plan(&obs(0.0, Some(metrics(20.0, 1000.0, 100.0)), 3, 2));
+        // TTFT twice the profile's, but ITL misses too: decode slots were the wait.
+        let mut m = metrics(20.0, 1000.0, 100.0);
+        m.ttft_ms = Some(3000.0);
+        m.itl_ms = Some(80.0);
+        planner.plan(&obs(30.0, Some(m), 3, 2));
+        assert!((planner.corrections().prefill - 1.0).abs() < 1e-9);
+        assert!(planner.corrections().decode > 1.0);
+        // The same TTFT with decode within its objective is prefill's.
+        m.itl_ms = Some(20.0);
+        planner.plan(&obs(60.0, Some(m), 3, 2));
+        assert!((planner.corrections().prefill - 1.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_remembered_miss_expires() {
+        let mut miss = Miss::default();
+        miss.record(100.0, 0.0, 600.0);
+        miss.record(150.0, 10.0, 600.0);
+        assert_eq!(
+            miss.load(600.0, 600.0),
+            Some(100.0),
+            "the least load is kept"
+        );
+        assert_eq!(miss.load(601.0, 600.0), None, "forgotten after the memory");
+        miss.record(150.0, 700.0, 600.0);
+        assert_eq!(
+            miss.load(700.0, 600.0),
+            Some(150.0),
+            "an expired miss does not win"
+        );
+        miss.record(120.0, 710.0, 600.0);
+        assert_eq!(miss.load(1310.0, 600.0), Some(120.0));
+    }
+
+    #[test]
     fn a_slow_prefill_raises_the_correction_and_the_replicas() {
         let mut planner = Planner::new(config(Mode::Throughput)).unwrap();
-        // 3 ready prefill replicas at 6,000 tokens/s each: the profile expects 1,250 ms.
-        let mut m = metrics(18.0, 1000.0, 100.0);
-        m.ttft_ms = Some(2500.0);
-        let before = planner.plan(&obs(0.0, Some(metrics(18.0, 1000.0, 100.0)), 3, 2));
-        assert_eq!(before.desired[&Role::Prefill], 3);
+        // 3 ready prefill replicas at 6,667 tokens/s each: the profile expects 1,500 ms.
+        let mut m = metrics(20.0, 1000.0, 100.0);
+        m.ttft_ms = Some(3000.0);
+        let before = planner.plan(&obs(0.0, Some(metrics(20.0, 1000.0, 100.0)), 3, 2));
+        assert_eq!(before.desired[&Role::Prefill], 3, "20,000 / 8,000");
         let after = planner.plan(&obs(30.0, Some(m), 3, 2));
-        // Ratio 2 → correction 1 + 0.5·(2 − 1) = 1.5 → capacity 8,000 / 1.5.
+        // Ratio 2 → correction 1 + 0.5·(2 − 1) = 1.5 → the profile read at 2,000 / 1.5 ms:
+        // 4,000 + 4,000·(833 / 1,500) = 6,222 tokens/s.
         assert!((planner.corrections().prefill - 1.5).abs() < 1e-9);
-        assert_eq!(after.desired[&Role::Prefill], 4, "18,000 / 5,333");
+        assert!((after.roles[&Role::Prefill].need - 20_000.0 / 6_222.222).abs() < 1e-3);
+        assert_eq!(after.desired[&Role::Prefill], 4);
         // Bounded: a wild ratio moves it to the cap, not beyond.
         m.ttft_ms = Some(1e9);
         planner.plan(&obs(60.0, Some(m), 4, 2));
