@@ -30,6 +30,8 @@ command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 [ -f /usr/include/zmq.h ] || missing+=(libzmq3-dev)
 { command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; } || missing+=(prometheus)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
+# The PNG plots of `kvgate-bench report`, `compare` and `autoscale` draw with DejaVu Sans.
+[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || missing+=(fonts-dejavu-core)
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing Debian packages: ${missing[*]}"
   sudo_if_needed apt-get update -qq

@@ -14,6 +14,11 @@ pub enum Command {
     Compare(Box<crate::compare::CompareArgs>),
     /// Replay a workload against engine models in virtual time, routed by the EPP's code.
     Replay(Box<crate::replay_cmd::ReplayArgs>),
+    /// Measure a replica's performance profile on the engine model; write it as a ConfigMap.
+    Profile(Box<crate::profile_cmd::ProfileArgs>),
+    /// Run a day-shaped load on an autoscaled prefill/decode pool in virtual time: the
+    /// planner against static, HPA and oracle provisioning.
+    Autoscale(Box<crate::autoscale_cmd::AutoscaleArgs>),
 }
 
 /// kvgate local stack and benchmarks.
@@ -43,6 +48,12 @@ pub enum BenchError {
     /// A discrete-event replay.
     #[error(transparent)]
     Replay(#[from] crate::replay_cmd::ReplayCmdError),
+    /// A profile measurement.
+    #[error(transparent)]
+    Profile(#[from] crate::profile_cmd::ProfileCmdError),
+    /// An autoscaling evaluation.
+    #[error(transparent)]
+    Autoscale(#[from] crate::autoscale_cmd::AutoscaleCmdError),
 }
 
 impl cli_support::ExitStatus for BenchError {
@@ -54,6 +65,9 @@ impl cli_support::ExitStatus for BenchError {
             Self::Compare(e) => e.exit_code(),
             Self::Replay(crate::replay_cmd::ReplayCmdError::Options(_)) => cli_support::EXIT_CONFIG,
             Self::Replay(_) => 1,
+            Self::Profile(e) if e.is_config() => cli_support::EXIT_CONFIG,
+            Self::Autoscale(e) if e.is_config() => cli_support::EXIT_CONFIG,
+            Self::Profile(_) | Self::Autoscale(_) => 1,
         }
     }
 }
@@ -66,5 +80,7 @@ pub fn run(args: Args) -> Result<(), BenchError> {
         Command::Report(args) => Ok(crate::load::report::run(args)?),
         Command::Compare(args) => Ok(crate::compare::run(&args)?),
         Command::Replay(args) => Ok(crate::replay_cmd::run(&args)?),
+        Command::Profile(args) => Ok(crate::profile_cmd::run(&args)?),
+        Command::Autoscale(args) => Ok(crate::autoscale_cmd::run(&args)?),
     }
 }

@@ -5,12 +5,13 @@
 //!
 //! - **Saturation**: `SATURATION_REQUESTS` prompts at once; prompt tokens ÷ makespan is the
 //!   engine's prefill rate.
-//! - **Prefill**: for each load (a fraction of that rate), Poisson arrivals of prefill-only
-//!   requests (vLLM `do_remote_decode`) with distinct prompts of `prompt_tokens`; TTFT is the
-//!   end of the step that makes the request's token, less its arrival, plus the time the
-//!   decode engine takes to pull its KV (`kv_bytes_per_token × tokens ÷
-//!   kv_transfer_bandwidth`); the curve's point is TTFT at `percentile`. The curve is made
-//!   non-decreasing (running maximum) against sampling noise.
+//! - **Prefill**: for each load (a fraction of that rate per engine), Poisson arrivals of
+//!   one-token requests with distinct prompts whose lengths are drawn from `prompt_tokens`
+//!   (the workload's distribution: TTFT at a percentile depends on it), on a pool of `pool`
+//!   engines routed by the EPP's scheduler (the replay); TTFT is the first token's, plus the
+//!   time a decode engine takes to pull the prompt's KV (`kv_bytes_per_token × tokens ÷
+//!   kv_transfer_bandwidth`); the curve's point is TTFT at `percentile` against the load per
+//!   engine. The curve is made non-decreasing (running maximum) against sampling noise.
 //! - **Decode**: for each context `c` and batch `b` (≤ `max_num_seqs`), `b` requests whose
 //!   `c`-token prompts arrive as remote prefills (`do_remote_prefill`) and decode
 //!   `decode_tokens` each; the ITL is the mean duration of the steps that decode, the
@@ -23,8 +24,14 @@ use engine_model::{
     AdmitError, ConfigError, Engine, EngineConfig, KvTransfer, Nanos, NewRequest, StepOutput,
     XxhChain,
 };
+use std::time::Duration;
+
 use planner::{DecodeTable, PrefillPoint, Profile, ProfileError};
 use workload::percentile::Sorted;
+use workload::{Pacing, Session, Span, Turn, Vocab, Workload};
+
+use crate::config::ReplayConfig;
+use crate::replay::ReplayError;
 
 /// Prompts sent at once to find the prefill rate.
 pub const SATURATION_REQUESTS: u64 = 32;
@@ -34,14 +41,19 @@ pub const SATURATION_REQUESTS: u64 = 32;
 pub struct ProfileOptions {
     /// The engine.
     pub engine: EngineConfig,
-    /// Prompt length of the prefill curve, tokens.
-    pub prompt_tokens: u32,
+    /// Prompt lengths of the prefill curve, tokens: each request draws one (uniformly, with
+    /// replacement). One entry: every prompt that long.
+    pub prompt_tokens: Vec<u32>,
     /// The TTFT percentile, in percent.
     pub percentile: f64,
     /// Prefill loads as fractions of the saturated prefill rate, increasing.
     pub loads: Vec<f64>,
-    /// Requests per prefill load.
+    /// Requests per prefill load (over the whole pool).
     pub requests_per_load: u64,
+    /// Prefill engines measured together: a replica's TTFT under a load depends on the pool
+    /// it shares that load with (a load-aware router sends a request to the least busy one),
+    /// so the curve is measured on a pool of about the size it will serve in.
+    pub pool: usize,
     /// Decode context lengths, increasing.
     pub contexts: Vec<u32>,
     /// Decode batch sizes, increasing (those above `max_num_seqs` are skipped).
@@ -55,16 +67,17 @@ pub struct ProfileOptions {
 }
 
 impl ProfileOptions {
-    /// Defaults for `engine`: 8,192-token prompts at p90, twelve loads from 10% to 100%, 300
-    /// requests each; contexts of 1k–32k tokens, batches of 1–256, 24 ITL points, 64 decode
+    /// Defaults for `engine`: 8,192-token prompts at p90, twelve loads from 10% to 100%, 4,000
+    /// requests each on a pool of 8; contexts of 1k–32k tokens, batches of 1–256, 24 ITL points, 64 decode
     /// tokens.
     pub fn new(engine: EngineConfig) -> Self {
         Self {
             engine,
-            prompt_tokens: 8192,
+            prompt_tokens: vec![8192],
             percentile: 90.0,
             loads: vec![0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0],
-            requests_per_load: 300,
+            requests_per_load: 4000,
+            pool: 8,
             contexts: vec![1024, 2048, 4096, 8192, 16384, 32768],
             batches: vec![1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256],
             itl_points: 24,
@@ -140,22 +153,33 @@ impl Rng {
     }
 }
 
+impl Rng {
+    /// A prompt length drawn from `lengths`.
+    fn length(&mut self, lengths: &[u32]) -> u32 {
+        let i = (self.unit() * lengths.len() as f64) as usize;
+        lengths.get(i).or(lengths.last()).copied().unwrap_or(1)
+    }
+}
+
 /// The engine's prefill rate, prompt tokens/s.
 fn saturation(options: &ProfileOptions) -> Result<f64, ProfilerError> {
     let mut engine = Engine::new(options.engine.clone())?;
+    let mut rng = Rng(options.seed);
+    let mut tokens = 0.0;
     for r in 0..SATURATION_REQUESTS {
-        engine.add_request(prefill_request(options, r, 0))?;
+        let len = rng.length(&options.prompt_tokens);
+        tokens += f64::from(len);
+        engine.add_request(prefill_request(options, r, len, 0))?;
     }
     let mut end = 0;
     run(&mut engine, 0, |start, step| end = start + step.duration);
-    let tokens = SATURATION_REQUESTS as f64 * f64::from(options.prompt_tokens);
     Ok(tokens / (end.max(1) as f64 / 1e9))
 }
 
-fn prefill_request(options: &ProfileOptions, r: u64, arrival: Nanos) -> NewRequest {
+fn prefill_request(options: &ProfileOptions, r: u64, len: u32, arrival: Nanos) -> NewRequest {
     NewRequest {
         id: r,
-        prompt: prompt(r, options.prompt_tokens),
+        prompt: prompt(r, len),
         output: vec![7],
         hasher: Box::new(XxhChain::new(options.seed)),
         arrival,
@@ -163,34 +187,58 @@ fn prefill_request(options: &ProfileOptions, r: u64, arrival: Nanos) -> NewReque
     }
 }
 
-/// The TTFT percentile at `rate` prompt tokens/s.
+/// The TTFT percentile at `rate` prompt tokens/s per engine, on a pool of `options.pool`
+/// engines routed by the EPP's scheduler (the replay).
 fn prefill_ttft(options: &ProfileOptions, rate: f64, stream: u64) -> Result<f64, ProfilerError> {
-    let mut engine = Engine::new(options.engine.clone())?;
     let mut rng = Rng(options.seed ^ stream.wrapping_mul(0x2545_F491_4F6C_DD1D));
-    let mean_gap = f64::from(options.prompt_tokens) / rate;
+    let lengths = &options.prompt_tokens;
+    let mean = lengths.iter().map(|&l| f64::from(l)).sum::<f64>() / lengths.len().max(1) as f64;
+    let pool = options.pool.max(1);
+    let mean_gap = mean / (rate * pool as f64);
     let mut at = 0.0;
-    let mut arrivals = Vec::new();
-    for r in 0..options.requests_per_load {
-        at += -mean_gap * (1.0 - rng.unit()).ln();
-        let arrival = (at * 1e9) as Nanos;
-        arrivals.push(arrival);
-        engine.add_request(prefill_request(options, r, arrival))?;
-    }
+    let sessions = (0..options.requests_per_load)
+        .map(|r| {
+            at += -mean_gap * (1.0 - rng.unit()).ln();
+            Session {
+                id: r,
+                start: Duration::from_secs_f64(at),
+                group: 0,
+                turns: vec![Turn {
+                    user: vec![Span {
+                        seed: options.seed ^ (stream << 40) ^ r,
+                        len: rng.length(lengths),
+                    }],
+                    max_tokens: 1,
+                    think: Duration::ZERO,
+                }],
+            }
+        })
+        .collect();
+    let workload = Workload {
+        name: "profile".into(),
+        pacing: Pacing::Open,
+        vocab: Vocab::default(),
+        sessions,
+    };
+    let mut config = ReplayConfig::new(pool, options.engine.clone());
+    config.seed = options.seed;
+    let out = crate::replay(&workload, config).map_err(|e| match e {
+        ReplayError::Engine(e) => ProfilerError::Engine(e),
+        _ => ProfilerError::Options("pool"),
+    })?;
     let c = &options.engine;
     let block = u64::from(c.block_size);
-    let pulled = u64::from(options.prompt_tokens) / block * block;
-    let transfer_s = (pulled * c.kv_bytes_per_token) as f64 / c.kv_transfer_bandwidth as f64;
-    let mut ttfts = Vec::new();
-    run(&mut engine, 0, |start, step| {
-        for out in &step.outputs {
-            if out.finished.is_some()
-                && let Some(&arrival) = usize::try_from(out.id).ok().and_then(|i| arrivals.get(i))
-            {
-                let ms = (start + step.duration).saturating_sub(arrival) as f64 / 1e6;
-                ttfts.push(ms + transfer_s * 1e3);
-            }
-        }
-    });
+    // The decode engine then pulls the prompt's full blocks.
+    let ttfts = out
+        .records
+        .iter()
+        .map(|r| {
+            let pulled = u64::from(r.prompt_tokens) / block * block;
+            let transfer_ms =
+                (pulled * c.kv_bytes_per_token) as f64 / c.kv_transfer_bandwidth as f64 * 1e3;
+            r.ttft_ms.map_or(f64::INFINITY, |t| t + transfer_ms)
+        })
+        .collect();
     Ok(Sorted::new(ttfts)
         .percentile(options.percentile)
         .unwrap_or(f64::INFINITY))
@@ -233,7 +281,11 @@ fn decode_point(
 /// Measures the profile.
 pub fn measure(options: &ProfileOptions) -> Result<Profile, ProfilerError> {
     let increasing = |v: &[f64]| v.windows(2).all(|w| matches!(w, [a, b] if b > a));
-    if options.prompt_tokens == 0 || options.requests_per_load == 0 {
+    if options.prompt_tokens.is_empty()
+        || options.prompt_tokens.contains(&0)
+        || options.requests_per_load == 0
+        || options.pool == 0
+    {
         return Err(ProfilerError::Options("prompt_tokens, requests_per_load"));
     }
     if options.loads.is_empty()
@@ -311,10 +363,18 @@ pub fn measure(options: &ProfileOptions) -> Result<Profile, ProfilerError> {
         .collect();
     let profile = Profile {
         description: format!(
-            "engine model: {} prompt tokens, TTFT p{} (+ KV transfer), prefill rate {:.0} tokens/s; \
-             decode {} tokens per request; block {}, max_num_seqs {}, max_num_batched_tokens {}",
-            options.prompt_tokens,
+            "engine model: prompts of {} tokens (mean of {} lengths), TTFT p{} (+ KV transfer) on \
+             a pool of {}, prefill rate {:.0} tokens/s; decode {} tokens per request; block {}, \
+             max_num_seqs {}, max_num_batched_tokens {}",
+            options
+                .prompt_tokens
+                .iter()
+                .map(|&l| u64::from(l))
+                .sum::<u64>()
+                / options.prompt_tokens.len().max(1) as u64,
+            options.prompt_tokens.len(),
             options.percentile,
+            options.pool,
             rate,
             options.decode_tokens,
             c.block_size,
@@ -357,9 +417,10 @@ mod tests {
 
     fn small() -> ProfileOptions {
         ProfileOptions {
-            prompt_tokens: 2048,
+            prompt_tokens: vec![1024, 2048, 3072],
             loads: vec![0.2, 0.5, 0.9],
-            requests_per_load: 40,
+            requests_per_load: 60,
+            pool: 2,
             contexts: vec![1024, 4096],
             batches: vec![1, 8, 32],
             itl_points: 6,

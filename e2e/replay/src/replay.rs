@@ -146,8 +146,8 @@ pub struct Replay<'w> {
     in_flight_sessions: usize,
     max_in_flight_sessions: usize,
     requests: HashMap<RequestId, OpenRequest>,
-    /// Prefill legs in flight: leg id → (request id, prefill engine).
-    prefill_legs: HashMap<RequestId, (RequestId, usize)>,
+    /// Prefill legs in flight: leg id → (request id, prefill engine, its in-flight handle).
+    prefill_legs: HashMap<RequestId, (RequestId, usize, Option<InflightToken>)>,
     /// Requests waiting for their prefill leg: the decode engine's request.
     pending_decode: HashMap<RequestId, Box<NewRequest>>,
     interval: IntervalStats,
@@ -211,6 +211,7 @@ impl<'w> Replay<'w> {
         for (i, slot) in engines.iter().enumerate() {
             router.set_role(i, slot.role);
         }
+        router.account_prefill_legs(config.account_prefill_legs);
         let mut queue = EventQueue::new();
         let n = workload.sessions.len();
         let mut next_closed = 0;
@@ -416,7 +417,8 @@ impl<'w> Replay<'w> {
         let (target, request) = match leg {
             Some((p, leg)) => {
                 self.assign(p);
-                self.prefill_legs.insert(leg.id, (id, p));
+                self.prefill_legs
+                    .insert(leg.id, (id, p, placement.prefill_token));
                 self.pending_decode.insert(id, Box::new(request));
                 (p, leg)
             }
@@ -443,7 +445,10 @@ impl<'w> Replay<'w> {
         if let Err(error) = added {
             self.release(e);
             let id = match self.prefill_legs.remove(&id) {
-                Some((main, _)) => {
+                Some((main, _, token)) => {
+                    if let Some(t) = token {
+                        self.router.finished(t);
+                    }
                     self.pending_decode.remove(&main);
                     if let Some(decode) = self.requests.get(&main).map(|o| o.engine) {
                         self.release(decode);
@@ -518,8 +523,12 @@ impl<'w> Replay<'w> {
                 continue;
             }
             if out.finished.is_some()
-                && let Some((main, prefill)) = self.prefill_legs.remove(&out.id)
+                && let Some((main, prefill, token)) = self.prefill_legs.remove(&out.id)
             {
+                if let Some(t) = token {
+                    self.router.first_token(t);
+                    self.router.finished(t);
+                }
                 self.release(prefill);
                 self.decode_leg(main, out.kv_transfer_params.map_or(0, |p| p.num_tokens));
                 continue;

@@ -50,6 +50,9 @@ pub struct Placement {
     /// The prefill engine of a disaggregated request (the decision's prefill leg): it computes
     /// the prompt and `engine` pulls the KV and decodes.
     pub prefill: Option<usize>,
+    /// The prefill leg's in-flight handle, when the router accounts prefill legs
+    /// ([`Router::account_prefill_legs`]).
+    pub prefill_token: Option<InflightToken>,
 }
 
 /// Counters of the router's work.
@@ -82,6 +85,7 @@ pub struct Router {
     /// scheduler (the index is still fed, so the engines' events cost the same).
     peer: Option<CacheAware>,
     loads_scratch: Vec<u64>,
+    account_prefill: bool,
 }
 
 /// Engine `i`'s endpoint: id `i`, address `10.0.hi.lo:8000`, ready.
@@ -128,6 +132,7 @@ impl Router {
             stats: RouterStats::default(),
             peer: None,
             loads_scratch: Vec::new(),
+            account_prefill: false,
         })
     }
 
@@ -178,6 +183,11 @@ impl Router {
             .entry(routed.decision.reason.as_str())
             .or_default() += 1;
         let engine = routed.decision.primary.endpoint.get() as usize;
+        let blocks = routed.decision.prompt_blocks;
+        let prefill_token = match (self.account_prefill, routed.decision.prefill) {
+            (true, Some(p)) => Some(self.inflight.on_routed(p.endpoint, blocks, blocks, 0)),
+            _ => None,
+        };
         Ok(Placement {
             engine,
             token: routed.token,
@@ -186,6 +196,7 @@ impl Router {
                 .prompt_blocks
                 .saturating_sub(routed.decision.uncached_blocks),
             prefill: routed.decision.prefill.map(|p| p.endpoint.get() as usize),
+            prefill_token,
         })
     }
 
@@ -218,6 +229,7 @@ impl Router {
             token,
             expected_hit_blocks: pick.matched_blocks,
             prefill: None,
+            prefill_token: None,
         })
     }
 
@@ -274,6 +286,14 @@ impl Router {
     /// The EPP's periodic upkeep: expire speculative entries.
     pub fn expire(&self, now: Nanos) {
         self.scheduler.expire(&self.index, millis(now));
+    }
+
+    /// Also accounts each prefill leg in flight on its prefill endpoint (its prompt blocks as
+    /// prefill work, until the leg finishes). The EPP does not: it sees only the decode
+    /// engine's stream, so its prefill pick balances on engine samples of queued requests
+    /// alone (`docs/autoscaling.md` measures what that does).
+    pub fn account_prefill_legs(&mut self, on: bool) {
+        self.account_prefill = on;
     }
 
     /// Sets engine `engine`'s role in a disaggregated pool.

@@ -83,7 +83,7 @@ pub struct DayOptions {
 impl Default for DayOptions {
     /// 24 hours of 5 minutes; the peak at 15:00, a quarter of it at 03:00; bursts of 1.5×
     /// at 10:30 (for 15 minutes of the day) and 1.4× at 19:00 (20 minutes); a prefill-heavy
-    /// 13:00 (prompts 2×, outputs ¼) and a decode-heavy 14:00 (prompts ¼, outputs 3×);
+    /// 13:00 (prompts 2×, outputs ¼) and a decode-heavy 14:00 (prompts ½, outputs 4×);
     /// prompts cut at 16,384 tokens, outputs at 2,048.
     fn default() -> Self {
         Self {
@@ -108,8 +108,8 @@ impl Default for DayOptions {
             decode_heavy_hour: Some(14),
             prefill_isl: 2.0,
             prefill_osl: 0.25,
-            decode_isl: 0.25,
-            decode_osl: 3.0,
+            decode_isl: 0.5,
+            decode_osl: 4.0,
             max_prompt_tokens: 16_384,
             max_output_tokens: 2_048,
             seed: 1,
@@ -458,7 +458,7 @@ mod tests {
         for s in &w.sessions {
             let (isl, osl) = match s.group {
                 12 => (2200, 25),
-                16 => (275, 300),
+                16 => (550, 400),
                 _ => (1100, 100),
             };
             assert_eq!(

@@ -1,9 +1,11 @@
 //! The baseline autoscaler: a Kubernetes HPA per role on the engines' queue depth (vLLM's
-//! `num_requests_waiting`, averaged over the role's ready pods), with the HPA controller's
-//! rules: `desired = ⌈ready × metric / target⌉`, no change within the tolerance, at most
-//! `max(2 × current, current + 4)` per decision (the default scale-up policy, here per
-//! interval), scale-down to the highest recommendation of the stabilisation window, and the
-//! role's bounds. Each role scales on its own; there is no GPU budget.
+//! `num_requests_waiting`, averaged over the role's pods), with the HPA controller's rules:
+//! `desired = ⌈current × metric / target⌉`; pods not ready yet count as an empty queue when
+//! the ratio says up, and as at the target when it says down (no change if that reverses the
+//! direction); no change within the tolerance; at most `max(2 × current, current + 4)` per
+//! decision (the default scale-up policy, here per interval); scale-down to the highest
+//! recommendation of the stabilisation window; the role's bounds. Each role scales on its
+//! own; there is no GPU budget.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -47,12 +49,27 @@ impl Hpa {
         for (&role, limits) in &self.config.limits {
             let current = pool.replicas.get(&role).copied().unwrap_or(0);
             let ready = pool.ready.get(&role).copied().unwrap_or(0);
-            let metric = pool.waiting.get(&role).copied().unwrap_or(0.0);
-            let ratio = metric / self.config.target_queue;
-            let raw = if ready == 0 || (ratio - 1.0).abs() <= self.config.tolerance {
+            let target = self.config.target_queue;
+            let waiting = pool.waiting.get(&role).copied().unwrap_or(0.0) * f64::from(ready);
+            let unready = f64::from(current.saturating_sub(ready));
+            let pods = f64::from(current.max(ready));
+            let ready_ratio = if ready == 0 {
+                1.0
+            } else {
+                waiting / f64::from(ready) / target
+            };
+            let ratio = if ready_ratio > 1.0 {
+                // Up: pods still starting count as idle.
+                waiting / pods / target
+            } else {
+                // Down: pods still starting count as at the target.
+                (waiting + unready * target) / pods / target
+            };
+            let reverses = (ready_ratio > 1.0) != (ratio > 1.0);
+            let raw = if ready == 0 || reverses || (ratio - 1.0).abs() <= self.config.tolerance {
                 current
             } else {
-                let want = (f64::from(ready) * ratio - 1e-9).ceil().max(0.0);
+                let want = (pods * ratio - 1e-9).ceil().max(0.0);
                 let cap = f64::from(current.saturating_mul(2).max(current.saturating_add(4)));
                 want.min(cap) as u32
             };
@@ -134,5 +151,17 @@ mod tests {
             1,
             "12 left"
         );
+    }
+
+    #[test]
+    fn starting_pods_count_idle_going_up_and_at_target_going_down() {
+        let mut h = hpa();
+        // 4 ready with 4 waiting each (16), 4 starting: 16 / 8 pods = 2 = the target.
+        assert_eq!(h.decide(0, &pool(8, 4, 4.0))[&Role::Prefill], 8);
+        // 4 ready with 6 waiting each: 24 / 8 / 2 = 1.5 → 12.
+        assert_eq!(h.decide(30 * S, &pool(8, 4, 6.0))[&Role::Prefill], 12);
+        // 2 ready and empty, 2 starting: (0 + 2 × 2) / 4 / 2 = 0.5 → 2.
+        let mut h = hpa();
+        assert_eq!(h.decide(0, &pool(4, 2, 0.0))[&Role::Prefill], 2);
     }
 }

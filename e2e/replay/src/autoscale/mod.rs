@@ -111,6 +111,10 @@ pub struct ScaleDecision {
     pub reason: String,
     /// The budget held a role back.
     pub budget_limited: bool,
+    /// The planner's need per role (replicas, before bounds and stabilisation).
+    pub need: BTreeMap<Role, f64>,
+    /// The planner's correction factors (prefill, decode).
+    pub corrections: Option<(f64, f64)>,
 }
 
 impl Scaler {
@@ -125,11 +129,14 @@ impl Scaler {
         match self {
             Scaler::Planner(p) => {
                 let d = p.plan(obs);
+                let c = p.corrections();
                 ScaleDecision {
                     desired: d.desired,
                     label: d.reason.metric_label(),
                     reason: d.reason.to_string(),
                     budget_limited: d.budget_limited,
+                    need: d.roles.iter().map(|(&r, x)| (r, x.need)).collect(),
+                    corrections: Some((c.prefill, c.decode)),
                 }
             }
             Scaler::Hpa(h) => ScaleDecision {
@@ -137,6 +144,8 @@ impl Scaler {
                 label: "hpa",
                 reason: "hpa".into(),
                 budget_limited: false,
+                need: BTreeMap::new(),
+                corrections: None,
             },
             Scaler::Schedule(s) => ScaleDecision {
                 desired: s
@@ -148,6 +157,8 @@ impl Scaler {
                 label: "schedule",
                 reason: "schedule".into(),
                 budget_limited: false,
+                need: BTreeMap::new(),
+                corrections: None,
             },
         }
     }
@@ -172,6 +183,10 @@ pub struct Tick {
     pub reason: String,
     /// The budget held a role back.
     pub budget_limited: bool,
+    /// The planner's need per role.
+    pub need: BTreeMap<Role, f64>,
+    /// The planner's correction factors (prefill, decode).
+    pub corrections: Option<(f64, f64)>,
 }
 
 /// An autoscaled run's result.
@@ -344,6 +359,8 @@ pub fn autoscale(
             label: decision.label,
             reason: decision.reason,
             budget_limited: decision.budget_limited,
+            need: decision.need,
+            corrections: decision.corrections,
         });
     }
     while replay.next_event().is_some() {}
