@@ -167,11 +167,10 @@ pub struct AutoscaleArgs {
     /// Most replicas per role.
     #[arg(long, default_value_t = 64)]
     pub max_replicas: u32,
-    /// Route prefill legs as the EPP does today, balancing prefill engines on sampled queues
-    /// alone; by default the replay also accounts prefill legs in flight on their engines
-    /// (see `docs/autoscaling.md`: without it, a few prefill engines take every prompt).
+    /// Route prefill legs without counting them on their prefill engines while they run
+    /// (the EPP before it did; `docs/autoscaling.md` shows what that costs).
     #[arg(long)]
-    pub epp_prefill_accounting: bool,
+    pub no_prefill_accounting: bool,
     /// The HPA's target requests waiting per ready replica.
     #[arg(long, default_value_t = 1.0)]
     pub hpa_queue: f64,
@@ -493,7 +492,7 @@ pub fn run_one(
     replay.prefill_engines = prefill;
     replay.scheduler = SchedulerConfig::default();
     replay.scheduler.disaggregation.enabled = true;
-    replay.account_prefill_legs = !args.epp_prefill_accounting;
+    replay.account_prefill_legs = !args.no_prefill_accounting;
     replay.seed = args.seed;
     replay.run = kind.name().into();
     let config = AutoscaleConfig {

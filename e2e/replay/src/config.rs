@@ -20,8 +20,8 @@ pub struct ReplayConfig {
     /// The first this many engines are prefill-only and the rest decode (a disaggregated pool,
     /// which needs `scheduler.disaggregation.enabled`); 0: every engine does both.
     pub prefill_engines: usize,
-    /// Account prefill legs in flight on their prefill engines, which the EPP does not
-    /// ([`Router::account_prefill_legs`](crate::Router::account_prefill_legs)).
+    /// Account prefill legs in flight on their prefill engines, as the EPP does (default;
+    /// [`Router::account_prefill_legs`](crate::Router::account_prefill_legs)).
     pub account_prefill_legs: bool,
     /// Every engine's configuration (a preset's, usually).
     pub engine: EngineConfig,
@@ -59,7 +59,7 @@ impl ReplayConfig {
             load: None,
             engines,
             prefill_engines: 0,
-            account_prefill_legs: false,
+            account_prefill_legs: true,
             engine,
             scheduler: SchedulerConfig::default(),
             cache_aware: None,

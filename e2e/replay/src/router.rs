@@ -289,9 +289,9 @@ impl Router {
     }
 
     /// Also accounts each prefill leg in flight on its prefill endpoint (its prompt blocks as
-    /// prefill work, until the leg finishes). The EPP does not: it sees only the decode
-    /// engine's stream, so its prefill pick balances on engine samples of queued requests
-    /// alone (`docs/autoscaling.md` measures what that does).
+    /// prefill work, until the leg finishes), as the EPP does until the decode engine's first
+    /// byte; off, the prefill pick balances on engine samples of queued requests alone
+    /// (`docs/autoscaling.md` measures what that does).
     pub fn account_prefill_legs(&mut self, on: bool) {
         self.account_prefill = on;
     }

@@ -63,6 +63,10 @@ pub struct PickerStats {
 #[derive(Debug)]
 struct OpenRequest {
     token: InflightToken,
+    /// A disaggregated request's prefill leg on its prefill endpoint (the prompt's uncached
+    /// blocks as prefill work), until the decode endpoint's first byte says the prompt was
+    /// computed and its KV pulled.
+    prefill: Option<InflightToken>,
     series: Arc<Series>,
     routed: Instant,
     first_byte: Option<Instant>,
@@ -241,6 +245,13 @@ impl Picker {
         Millis(u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX))
     }
 
+    /// A prefill leg ended (the decode endpoint's first byte, or the request's end).
+    fn leg_finished(&self, leg: InflightToken) {
+        if self.inflight.on_finished(leg) {
+            self.loads.note_finished(leg.endpoint());
+        }
+    }
+
     /// Requests in flight with a ticket.
     pub fn open_tickets(&self) -> usize {
         self.tickets.lock().map_or(0, |t| t.len())
@@ -396,8 +407,20 @@ impl Router for Picker {
         };
         let series = self.requests.series(&prepared.model, &prepared.served);
         series.on_routed(input.body.map_or(0, <[u8]>::len));
+        // The prefill endpoint computes the prompt, so it carries the prefill work while the
+        // leg runs; without it, every pick between two engine load samples sees the same
+        // prefill endpoints idle and piles prompts onto one of them.
+        let prefill = decision.prefill.map(|p| {
+            self.inflight.on_routed(
+                p.endpoint,
+                decision.prompt_blocks,
+                decision.uncached_blocks,
+                0,
+            )
+        });
         let open = OpenRequest {
             token,
+            prefill,
             series,
             routed: started,
             first_byte: None,
@@ -490,6 +513,9 @@ impl Router for Picker {
                 if let Some(open) = tickets.get_mut(&ticket) {
                     open.first_byte.get_or_insert_with(Instant::now);
                     self.inflight.on_first_token(open.token);
+                    if let Some(leg) = open.prefill.take() {
+                        self.leg_finished(leg);
+                    }
                 }
             }
             ResponseEvent::Usage {
@@ -506,6 +532,9 @@ impl Router for Picker {
                     return;
                 };
                 drop(tickets);
+                if let Some(leg) = open.prefill {
+                    self.leg_finished(leg);
+                }
                 if self.inflight.on_finished(open.token) {
                     self.loads.note_finished(open.token.endpoint());
                 }
@@ -588,6 +617,66 @@ mod tests {
         assert_eq!(d.endpoints[0], d2.endpoints[0]);
         p.on_response(d2.ticket, ResponseEvent::Aborted);
         assert_eq!(p.open_tickets(), 0);
+        assert!(p.inflight.is_empty());
+    }
+
+    #[test]
+    fn prefill_legs_count_on_their_prefill_endpoint_until_the_first_byte() {
+        let (p, ds) = picker(4);
+        // Two prefill endpoints, two decode endpoints.
+        let eps: Vec<(EndpointKey, Endpoint)> = (0..4u16)
+            .map(|i| {
+                let key = (format!("pod-{i}"), 8000);
+                let id = ds.id_for(&key);
+                let mut e = Endpoint::new(id, format!("10.0.0.{i}:8000").parse().unwrap());
+                e.role = if i < 2 {
+                    scheduler::Role::Prefill
+                } else {
+                    scheduler::Role::Decode
+                };
+                (key, e)
+            })
+            .collect();
+        ds.replace(eps);
+        let mut config = SchedulerConfig::default();
+        config.disaggregation.enabled = true;
+        config.disaggregation.min_uncached_blocks = 1;
+        let p = Picker {
+            scheduler: Scheduler::new(config, 7).unwrap(),
+            ..p
+        };
+        let prompt = |i: usize| {
+            format!(
+                r#"{{"model":"m","prompt":"distinct prompt number {i}: {}"}}"#,
+                "x".repeat(64)
+            )
+        };
+        let header = |d: &Decision| {
+            d.add_headers
+                .iter()
+                .find(|(k, _)| k == "x-prefiller-host-port")
+                .map(|(_, v)| v.clone())
+                .unwrap()
+        };
+        let a = p
+            .route(input("/v1/completions", Some(prompt(1).as_bytes()), None))
+            .unwrap();
+        let b = p
+            .route(input("/v1/completions", Some(prompt(2).as_bytes()), None))
+            .unwrap();
+        // The first prompt's prefill is still running: the second goes to the other prefiller.
+        assert_ne!(header(&a), header(&b));
+        // Its first byte ends the leg (and only the leg): the prefiller is free again.
+        p.on_response(a.ticket, ResponseEvent::FirstByte);
+        let free = |e: &str| {
+            let id = ds.id_for(&(format!("pod-{}", &e[7..8]), 8000));
+            p.inflight.load(id).requests
+        };
+        assert_eq!(free(&header(&a)), 0);
+        assert_eq!(free(&header(&b)), 1);
+        // A request that ends before its first byte frees its leg too.
+        p.on_response(b.ticket, ResponseEvent::Aborted);
+        p.on_response(a.ticket, ResponseEvent::End);
         assert!(p.inflight.is_empty());
     }
 
