@@ -332,6 +332,31 @@ fn pool_load(
         .filter(|ep| ep.ready)
         .filter_map(|ep| router.loads().fresh(ep.id, now, POOL_LOAD_MAX_AGE))
         .collect();
+    // Requests on each role's ready endpoints (running + waiting, fresh samples): the
+    // operator's decode concurrency (Little's law) in a disaggregated pool.
+    e.family(
+        "kvgate_epp_pool_requests",
+        telemetry::Kind::Gauge,
+        "Requests running or waiting on the ready endpoints of a role, from fresh engine samples.",
+    );
+    for role in [
+        scheduler::Role::Prefill,
+        scheduler::Role::Decode,
+        scheduler::Role::Both,
+    ] {
+        let sum: u64 = endpoints
+            .iter()
+            .filter(|ep| ep.ready && ep.role == role)
+            .filter_map(|ep| router.loads().fresh(ep.id, now, POOL_LOAD_MAX_AGE))
+            .map(|l| u64::from(l.running) + u64::from(l.waiting))
+            .sum();
+        #[allow(clippy::cast_precision_loss)]
+        e.sample(
+            "kvgate_epp_pool_requests",
+            &[("pool", pool), ("role", role.as_str())],
+            sum as f64,
+        );
+    }
     #[allow(clippy::cast_precision_loss)]
     let n = samples.len().max(1) as f64;
     let avg = |f: &dyn Fn(&scheduler::EngineLoad) -> f64| samples.iter().map(f).sum::<f64>() / n;
@@ -459,6 +484,76 @@ mod tests {
             "kvgate_epp_kube_watch_up{pool=\"p\\\"1\",watch=\"pods\"} 1",
             "kvgate_epp_kube_stale_seconds{pool=\"p\\\"1\"} 0",
             "kvgate_epp_kube_relists_total{pool=\"p\\\"1\",watch=\"pods\",reason=\"periodic\"} 0",
+        ] {
+            assert!(text.contains(want), "missing {want}\n{text}");
+        }
+    }
+
+    #[test]
+    fn sums_requests_per_role_over_ready_endpoints_with_fresh_samples() {
+        use crate::routing::keys::Keyer;
+        use scheduler::{Endpoint, EngineLoad, InflightTracker, LoadBook, Role, Scheduler};
+        let datastore = Arc::new(Datastore::new());
+        let roles = [
+            (Role::Prefill, true),
+            (Role::Decode, true),
+            (Role::Decode, true),
+            (Role::Decode, false),
+        ];
+        let eps: Vec<_> = roles
+            .iter()
+            .enumerate()
+            .map(|(i, &(role, ready))| {
+                let key = (format!("pod-{i}"), 8000);
+                let mut e = Endpoint::new(
+                    datastore.id_for(&key),
+                    format!("10.0.0.{i}:8000").parse().unwrap(),
+                );
+                e.role = role;
+                e.ready = ready;
+                (key, e)
+            })
+            .collect();
+        datastore.replace(eps.clone());
+        let index = Arc::new(KvIndex::new(kv_index::IndexConfig::default()).unwrap());
+        let router = Arc::new(Picker::new(
+            Keyer::new(4, kv_events::key::SaltStyle::VllmExtraKey, "m"),
+            Scheduler::new(scheduler::SchedulerConfig::default(), 1).unwrap(),
+            Arc::clone(&index),
+            Arc::new(InflightTracker::new()),
+            Arc::new(LoadBook::new()),
+            Arc::clone(&datastore),
+        ));
+        let now = router.now();
+        for (i, (_, e)) in eps.iter().enumerate() {
+            let n = u32::try_from(i).unwrap() + 1;
+            router.loads().record(
+                e.id,
+                EngineLoad {
+                    waiting: n,
+                    running: 10 * n,
+                    kv_usage: 0.5,
+                    at: now,
+                },
+            );
+        }
+        let s = Sources {
+            pool: "p".into(),
+            picker: Arc::new(PickerStats::default()),
+            ingest: None,
+            scrape: None,
+            nats: None,
+            index,
+            datastore,
+            router: Some(router),
+            kube: None,
+        };
+        let text = render(&s);
+        // Ready decode endpoints 1 and 2: (2 + 20) + (3 + 30); the unready one is left out.
+        for want in [
+            "kvgate_epp_pool_requests{pool=\"p\",role=\"prefill\"} 11",
+            "kvgate_epp_pool_requests{pool=\"p\",role=\"decode\"} 55",
+            "kvgate_epp_pool_requests{pool=\"p\",role=\"both\"} 0",
         ] {
             assert!(text.contains(want), "missing {want}\n{text}");
         }

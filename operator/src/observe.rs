@@ -19,6 +19,8 @@ const TTFT: &str = "inference_objective_request_ttft_seconds";
 const ITL: &str = "inference_objective_request_tpot_seconds";
 /// The pool's mean engine queue (gauge).
 const QUEUE: &str = "inference_pool_average_queue_size";
+/// Requests running or waiting on a role's ready endpoints (gauge, label `role`).
+const ROLE_REQUESTS: &str = "kvgate_epp_pool_requests";
 
 /// Why a page could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -133,6 +135,8 @@ pub struct Counters {
     pub itl: Histogram,
     /// The pool's mean engine queue as this replica sees it.
     pub queue: Option<f64>,
+    /// Requests on the decode endpoints as this replica sees them.
+    pub decode_requests: Option<f64>,
 }
 
 impl Counters {
@@ -161,6 +165,11 @@ impl Counters {
                 }
                 (QUEUE, Value::Gauge(v) | Value::Untyped(v)) => {
                     c.queue = Some(c.queue.unwrap_or(0.0) + v);
+                }
+                (ROLE_REQUESTS, Value::Gauge(v) | Value::Untyped(v))
+                    if s.labels.get("role") == Some("decode") =>
+                {
+                    c.decode_requests = Some(c.decode_requests.unwrap_or(0.0) + v);
                 }
                 _ => {}
             }
@@ -222,6 +231,8 @@ pub struct Observed {
     pub itl_ms: Option<f64>,
     /// The pool's mean engine queue (mean of the replicas' views).
     pub queue_depth: Option<f64>,
+    /// Requests on the decode endpoints (mean of the replicas' views of the later scrape).
+    pub decode_requests: Option<f64>,
 }
 
 /// Why an interval gives no observation.
@@ -231,6 +242,12 @@ pub enum NoObservation {
     NoCommonReplica,
     /// No time passed between them.
     NoTime,
+}
+
+/// The mean of some replicas' views, if any.
+#[allow(clippy::cast_precision_loss)]
+fn mean_of(views: &[f64]) -> Option<f64> {
+    (!views.is_empty()).then(|| views.iter().sum::<f64>() / views.len() as f64)
 }
 
 /// The load and latency between two snapshots: per replica present in both (a restarted
@@ -252,6 +269,7 @@ pub fn between(
         Histogram::default(),
     );
     let mut queues = Vec::new();
+    let mut decoding = Vec::new();
     let mut common = 0;
     for (name, now) in &later.replicas {
         let Some(before) = earlier.replicas.get(name) else {
@@ -278,6 +296,9 @@ pub fn between(
         if let Some(q) = now.queue {
             queues.push(q);
         }
+        if let Some(d) = now.decode_requests {
+            decoding.push(d);
+        }
     }
     if common == 0 {
         return Err(NoObservation::NoCommonReplica);
@@ -290,7 +311,8 @@ pub fn between(
         osl_tokens: mean(&output),
         ttft_ms: ttft.quantile(q).map(|s| s * 1000.0),
         itl_ms: itl.quantile(q).map(|s| s * 1000.0),
-        queue_depth: (!queues.is_empty()).then(|| queues.iter().sum::<f64>() / queues.len() as f64),
+        queue_depth: mean_of(&queues),
+        decode_requests: mean_of(&decoding),
     })
 }
 
@@ -322,7 +344,10 @@ mod tests {
              inference_objective_input_tokens_sum{{model_name=\"m\"}} {input_sum}\n\
              inference_objective_input_tokens_count{{model_name=\"m\"}} {requests}\n\
              # TYPE inference_pool_average_queue_size gauge\n\
-             inference_pool_average_queue_size{{name=\"p\"}} 3\n"
+             inference_pool_average_queue_size{{name=\"p\"}} 3\n\
+             # TYPE kvgate_epp_pool_requests gauge\n\
+             kvgate_epp_pool_requests{{pool=\"p\",role=\"prefill\"}} 4\n\
+             kvgate_epp_pool_requests{{pool=\"p\",role=\"decode\"}} 17\n"
         );
         s
     }
@@ -353,6 +378,7 @@ mod tests {
         // 100 observations: 50 under 0.1 s, 50 in (0.1, 0.5]; p90 is 80% into the second bucket.
         assert!((o.ttft_ms.unwrap() - 420.0).abs() < 1e-6, "{o:?}");
         assert_eq!(o.queue_depth, Some(3.0));
+        assert_eq!(o.decode_requests, Some(17.0), "the decode role's only");
         assert_eq!(o.itl_ms, None, "no ITL observations");
     }
 

@@ -90,5 +90,6 @@ pub fn metrics(o: &Observed) -> Metrics {
         ttft_ms: o.ttft_ms,
         itl_ms: o.itl_ms,
         queue_depth: o.queue_depth,
+        decode_requests: o.decode_requests,
     }
 }

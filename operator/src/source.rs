@@ -213,7 +213,7 @@ pub fn promql(
     pool: &str,
     window_s: u64,
     percentile: f64,
-) -> [(String, String); 6] {
+) -> [(String, String); 7] {
     let sel = format!("namespace=\"{namespace}\",pool=\"{pool}\"");
     let w = format!("{window_s}s");
     let q = (percentile / 100.0).clamp(0.0, 1.0);
@@ -249,6 +249,10 @@ pub fn promql(
         (
             "queue".into(),
             format!("avg(inference_pool_average_queue_size{{{sel}}})"),
+        ),
+        (
+            "decode".into(),
+            format!("avg(kvgate_epp_pool_requests{{{sel},role=\"decode\"}})"),
         ),
     ]
 }
@@ -316,6 +320,7 @@ pub async fn prometheus(
         ttft_ms: get("ttft").map(|s| s * 1000.0),
         itl_ms: get("itl").map(|s| s * 1000.0),
         queue_depth: get("queue"),
+        decode_requests: get("decode"),
     })
 }
 

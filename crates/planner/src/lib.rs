@@ -50,6 +50,7 @@
 //!         ttft_ms: Some(1500.0),
 //!         itl_ms: Some(30.0),
 //!         queue_depth: None,
+//!         decode_requests: None,
 //!     }),
 //!     replicas: BTreeMap::from([(Role::Both, 2)]),
 //!     ready: BTreeMap::new(),
@@ -73,7 +74,7 @@ mod regression;
 pub use config::{ConfigError, Mode, PlannerConfig, PredictorKind, Role, RoleLimits, Slo, Tuning};
 pub use decision::{Decision, HoldCause, Limit, Reason, RoleDecision, Source};
 pub use observation::{Load, Metrics, Observation};
-pub use planner::{Corrections, Planner, STALE_INTERVALS, throughput_need};
+pub use planner::{Corrections, Planner, STALE_INTERVALS, concurrency_need, throughput_need};
 pub use predictor::Predictor;
 pub use profile::{DecodeTable, PrefillPoint, Profile, ProfileError};
 pub use regression::{Line, Regression};

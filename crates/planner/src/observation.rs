@@ -24,6 +24,11 @@ pub struct Metrics {
     pub itl_ms: Option<f64>,
     /// Mean requests waiting per engine (informational; no mode reads it yet).
     pub queue_depth: Option<f64>,
+    /// Requests on the decode role's ready engines, running or waiting, at the end of the
+    /// interval (a disaggregated pool; `None`: unknown). Unlike the output length, which shows
+    /// only as requests complete, it grows as soon as longer answers start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_requests: Option<f64>,
 }
 
 impl Metrics {
@@ -34,10 +39,15 @@ impl Metrics {
         ok(self.rps)
             && ok(self.isl_tokens)
             && ok(self.osl_tokens)
-            && [self.ttft_ms, self.itl_ms, self.queue_depth]
-                .into_iter()
-                .flatten()
-                .all(ok)
+            && [
+                self.ttft_ms,
+                self.itl_ms,
+                self.queue_depth,
+                self.decode_requests,
+            ]
+            .into_iter()
+            .flatten()
+            .all(ok)
             && (self.rps == 0.0 || (self.isl_tokens > 0.0 && self.osl_tokens > 0.0))
     }
 }
@@ -100,6 +110,7 @@ mod tests {
             ttft_ms: Some(300.0),
             itl_ms: None,
             queue_depth: Some(0.0),
+            decode_requests: None,
         };
         assert!(m.is_valid());
         let idle = Metrics {

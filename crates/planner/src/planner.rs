@@ -162,6 +162,24 @@ pub fn throughput_need(
     }
 }
 
+/// The decode replicas (fractional) that hold `requests` on decode engines at once within the
+/// ITL objective: `decode = requests ÷ (decode_sequences(itl / c_decode, isl + osl/2) · u)`,
+/// the sequences a replica carries there by Little's law
+/// ([`Profile::decode_sequences`]). Infinite when the profile gives no capacity at all for a
+/// positive count.
+pub fn concurrency_need(
+    profile: &Profile,
+    slo: &Slo,
+    load: &Load,
+    utilisation: f64,
+    corrections: Corrections,
+    requests: f64,
+) -> f64 {
+    let sequences =
+        profile.decode_sequences(slo.itl_ms / corrections.decode, load.decode_context());
+    per(requests, sequences * utilisation)
+}
+
 impl Corrections {
     /// No correction: the profile is taken as it is.
     pub const NONE: Corrections = Corrections {
@@ -426,8 +444,18 @@ impl Planner {
                 self.itl.observe(y * itl / 1000.0, itl);
             }
             let context = observed.decode_context();
+            // More requests on the decode engines than they can batch at the objective, or
+            // first tokens deep in overload (a backlog): the ITL of the requests completing
+            // now is an overload's, not a sign that the profile is off.
+            let over_capacity = |p: &Profile| {
+                m.ttft_ms.is_some_and(|t| t > OVERLOAD * slo.ttft_ms)
+                    || m.decode_requests.is_some_and(|n| {
+                        n > f64::from(ready_decode) * p.decode_sequences(slo.itl_ms, context)
+                    })
+            };
             if let Some(p) = &self.config.profile
                 && y >= t.correction_min_utilisation * p.decode_capacity(slo.itl_ms, context)
+                && !over_capacity(p)
             {
                 let expected = p.expected_itl(y, context);
                 self.corrections.decode = smooth(self.corrections.decode, itl / expected);
@@ -436,16 +464,19 @@ impl Planner {
     }
 
     /// The throughput model's replicas for `load` (fractional), if there is a profile.
-    fn throughput_need(&self, role: Role, load: &Load) -> Option<f64> {
+    /// For the decode role of a disaggregated pool, the larger of that and the requests on
+    /// its engines by Little's law ([`concurrency_need`]): output lengths show only as
+    /// requests complete, the requests in flight as soon as longer answers start.
+    fn throughput_need(&self, role: Role, load: &Load, m: &Metrics) -> Option<f64> {
         let p = self.config.profile.as_ref()?;
-        Some(throughput_need(
-            p,
-            &self.config.slo,
-            load,
-            self.config.tuning.target_utilisation,
-            self.corrections,
-            role,
-        ))
+        let (slo, u) = (&self.config.slo, self.config.tuning.target_utilisation);
+        let by_rate = throughput_need(p, slo, load, u, self.corrections, role);
+        Some(match (role, m.decode_requests) {
+            (Role::Decode, Some(n)) => {
+                by_rate.max(concurrency_need(p, slo, load, u, self.corrections, n))
+            }
+            _ => by_rate,
+        })
     }
 
     /// The load model's step for a role: one replica up when the regression says `current`
@@ -474,7 +505,7 @@ impl Planner {
         // profile says prefill has the capacity (without a profile it cannot be told apart).
         let not_prefills = self.decode_saturated(m)
             && self
-                .throughput_need(role, load)
+                .throughput_need(role, load, m)
                 .is_some_and(|n| n <= f64::from(current));
         let prefill = || Signal {
             need: self
@@ -568,7 +599,7 @@ impl Planner {
         ready: u32,
     ) -> (f64, u32, Source) {
         let tol = self.config.tuning.tolerance;
-        let throughput = self.throughput_need(role, load).unwrap_or(0.0);
+        let throughput = self.throughput_need(role, load, m).unwrap_or(0.0);
         match self.config.mode {
             Mode::Throughput => (
                 throughput,
@@ -769,6 +800,7 @@ mod tests {
             ttft_ms: None,
             itl_ms: None,
             queue_depth: None,
+            decode_requests: None,
         }
     }
 
@@ -799,6 +831,46 @@ mod tests {
         );
         assert!((d.roles[&Role::Prefill].need - 2.5).abs() < 1e-9);
         assert_eq!(d.predicted.unwrap().rps, 20.0);
+    }
+
+    #[test]
+    fn requests_on_decode_engines_raise_the_decode_need_by_littles_law() {
+        // At 50 ms and a context of 1,050 a decode replica makes 1,047.5 tokens/s, so it
+        // carries 1,047.5 × 0.05 = 52.4 sequences.
+        let mut m = metrics(20.0, 1000.0, 100.0);
+        m.decode_requests = Some(200.0);
+        let d = Planner::new(config(Mode::Throughput))
+            .unwrap()
+            .plan(&obs(0.0, Some(m), 1, 1));
+        assert!((d.roles[&Role::Decode].need - 200.0 / 52.375).abs() < 1e-9);
+        assert_eq!(d.desired[&Role::Decode], 4);
+        // Fewer requests than the rate implies: the rate decides.
+        m.decode_requests = Some(10.0);
+        let d = Planner::new(config(Mode::Throughput))
+            .unwrap()
+            .plan(&obs(0.0, Some(m), 1, 1));
+        assert_eq!(d.desired[&Role::Decode], 2, "2,000 / 1,047.5");
+        // A negative count is bad metrics: hold.
+        m.decode_requests = Some(-1.0);
+        let d = Planner::new(config(Mode::Throughput))
+            .unwrap()
+            .plan(&obs(0.0, Some(m), 1, 1));
+        assert_eq!(d.reason, Reason::Hold(HoldCause::MetricsInvalid));
+    }
+
+    #[test]
+    fn an_overloaded_decode_role_teaches_no_correction() {
+        let mut planner = Planner::new(config(Mode::Throughput)).unwrap();
+        // Two decode replicas carry 2 × 52.4 sequences at the objective; 200 are there.
+        let mut m = metrics(20.0, 1000.0, 100.0);
+        m.itl_ms = Some(80.0);
+        m.decode_requests = Some(200.0);
+        planner.plan(&obs(0.0, Some(m), 3, 2));
+        assert!((planner.corrections().decode - 1.0).abs() < 1e-9);
+        // Within what they can batch, the same ITL is the profile's error.
+        m.decode_requests = Some(60.0);
+        planner.plan(&obs(30.0, Some(m), 3, 2));
+        assert!(planner.corrections().decode > 1.0);
     }
 
     #[test]

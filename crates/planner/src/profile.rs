@@ -297,6 +297,15 @@ impl Profile {
         interpolate(&self.decode.itl_ms, &self.decode_row(context), itl_ms)
     }
 
+    /// Sequences one replica decodes at once at inter-token latency `itl_ms` and `context`
+    /// (Little's law: tokens/s × seconds per token), at the least ITL where the profile
+    /// reaches its capacity there: past an engine's largest batch the capacity stays flat and
+    /// so does the batch, however long the ITL allowed.
+    pub fn decode_sequences(&self, itl_ms: f64, context: f64) -> f64 {
+        let capacity = self.decode_capacity(itl_ms, context);
+        capacity * self.expected_itl(capacity, context).min(itl_ms) / 1000.0
+    }
+
     /// The ITL the profile expects when one replica produces `tokens_per_s` at `context`:
     /// the smallest profiled ITL reaching that throughput, clamped to the grid.
     pub fn expected_itl(&self, tokens_per_s: f64, context: f64) -> f64 {
@@ -369,6 +378,28 @@ pub(crate) mod tests {
         assert!(close(p.expected_ttft(6000.0), 1250.0));
         assert!(close(p.expected_ttft(10.0), 500.0));
         assert!(close(p.expected_ttft(11000.0), 8000.0));
+    }
+
+    #[test]
+    fn decode_sequences_stop_growing_where_the_capacity_does() {
+        let p = profile();
+        // Rising everywhere: capacity × ITL.
+        let f = |c: f64, l: f64| 100.0 + l * (20.0 - c / 1000.0);
+        assert!(close(
+            p.decode_sequences(50.0, 1000.0),
+            f(1000.0, 50.0) * 0.05
+        ));
+        // Flat past 20 ms (a batch limit: 64 sequences at 20 ms): the batch stays 64.
+        let flat = Profile {
+            decode: DecodeTable {
+                context_tokens: vec![1000.0],
+                itl_ms: vec![10.0, 20.0, 50.0],
+                tokens_per_s: vec![vec![1600.0, 3200.0, 3200.0]],
+            },
+            ..p
+        };
+        assert!(close(flat.decode_sequences(50.0, 1000.0), 64.0));
+        assert!(close(flat.decode_sequences(15.0, 1000.0), 2400.0 * 0.015));
     }
 
     #[test]

@@ -151,6 +151,7 @@ fn metrics() -> impl Strategy<Value = Option<Metrics>> {
                 ttft_ms: ttft,
                 itl_ms: itl,
                 queue_depth: None,
+                decode_requests: None,
             }),
     )
 }
@@ -310,6 +311,7 @@ impl Plant {
             ttft_ms: Some(ttft),
             itl_ms: Some(itl),
             queue_depth: None,
+            decode_requests: None,
         }
     }
 }
@@ -534,6 +536,7 @@ proptest! {
                     ttft_ms: None,
                     itl_ms: None,
                     queue_depth: None,
+                    decode_requests: None,
                 }),
                 replicas: current.clone(),
                 ready: BTreeMap::new(),

@@ -123,6 +123,7 @@ mod tests {
             replicas: [(Role::Prefill, replicas)].into(),
             ready: [(Role::Prefill, ready)].into(),
             waiting: [(Role::Prefill, waiting)].into(),
+            decode_requests: 0,
         }
     }
 

@@ -98,6 +98,9 @@ pub struct PoolView {
     pub ready: BTreeMap<Role, u32>,
     /// Mean requests waiting per serving engine, per role.
     pub waiting: BTreeMap<Role, f64>,
+    /// Requests running or waiting on the serving decode engines (the EPP's
+    /// `kvgate_epp_pool_requests{role="decode"}`).
+    pub decode_requests: u64,
 }
 
 /// A scaler's answer.
@@ -233,6 +236,9 @@ fn pool_view(replay: &Replay<'_>, roles: &[Role]) -> PoolView {
                 *view.replicas.entry(role).or_default() += 1;
                 *view.ready.entry(role).or_default() += 1;
                 *waiting.entry(role).or_default() += u64::from(e.waiting);
+                if role == Role::Decode {
+                    view.decode_requests += u64::from(e.waiting) + u64::from(e.running);
+                }
             }
             Life::Draining | Life::Gone => {}
         }
@@ -293,6 +299,7 @@ fn apply(
 /// while no request completes.
 fn metrics(
     stats: &crate::replay::IntervalStats,
+    pool: &PoolView,
     interval_s: f64,
     percentile: f64,
     last_osl: &mut f64,
@@ -312,6 +319,10 @@ fn metrics(
         ttft_ms: Sorted::new(stats.ttft_ms.clone()).percentile(percentile),
         itl_ms: Sorted::new(stats.tpot_ms.clone()).percentile(percentile),
         queue_depth: None,
+        decode_requests: pool
+            .ready
+            .contains_key(&Role::Decode)
+            .then_some(pool.decode_requests as f64),
     }
 }
 
@@ -341,7 +352,13 @@ pub fn autoscale(
         replay.run_until(at);
         let stats = replay.take_interval();
         let pool = pool_view(&replay, &roles);
-        let m = metrics(&stats, interval_s, config.slo.percentile, &mut last_osl);
+        let m = metrics(
+            &stats,
+            &pool,
+            interval_s,
+            config.slo.percentile,
+            &mut last_osl,
+        );
         let obs = Observation {
             at_s: at as f64 / 1e9,
             metrics: Some(m),
