@@ -65,6 +65,12 @@ echo "== discrete-event replay: the Mooncake hour, 128 GiB of KV offloading per 
 echo "== discrete-event replay: the Mooncake trace's first 10 minutes on 16 engines at 2.5x"
 "$bench" replay --workload mooncake --trace "$trace" --engines 16 --preset small --policy round-robin,kv,prefix-only \
   --speedup 2.5 --trace-seconds 600 --out "$out/replay-mooncake.jsonl"
+echo "== autoscaling in virtual time: the planner against static peak, an HPA and an oracle (plots in $out/autoscale)"
+"$bench" autoscale --trace "$trace" --out "$out/autoscale"
+"$bench" autoscale --trace "$trace" --out "$out/autoscale-budget" --budget 18 \
+  --scalers planner,independent,oracle --profile "$out/autoscale/profile.yaml"
+echo "== a replica's profile as the ConfigMap a PoolAutoscaler reads ($out/profile-cm.yaml)"
+"$bench" profile --trace "$trace" --name llama-profile --out "$out/profile-cm.yaml"
 if ! command -v wrk >/dev/null 2>&1; then
   echo "main: installing wrk for the simulator benchmark"
   if [ "$(id -u)" -eq 0 ]; then apt-get install -y -qq wrk >/dev/null; else sudo apt-get install -y -qq wrk >/dev/null; fi
