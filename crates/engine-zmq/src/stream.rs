@@ -79,7 +79,8 @@ pub trait FrameSink {
     /// The missing frames could not be replayed: whatever the sink derived from the stream is
     /// now unreliable. The stream continues with frame `got`.
     fn lost(&mut self, from: u64, got: u64);
-    /// The engine restarted (its cache is empty); the next frame starts the new stream.
+    /// The engine restarted (its cache is empty): its sequence went back. The frames that
+    /// follow are the new stream's, from seq 0 (replayed when the subscriber missed them).
     fn restarted(&mut self) {}
     /// A message that is not a KV-event frame was skipped.
     fn malformed(&mut self, _error: &FrameError) {}
@@ -114,20 +115,20 @@ pub fn run<S: FrameSink>(
         source,
     })?;
     tracing::info!(publisher = %cfg.publisher, replay = ?cfg.replay, "subscribed to KV events");
-    let mut seq = Sequencer::new();
-    if let Some(endpoint) = &cfg.replay {
+    let mut stream = Stream {
+        ctx,
+        cfg,
+        stop,
+        seq: Sequencer::new(),
+        last: None,
+    };
+    if cfg.replay.is_some() {
         match cfg.start {
             StartFrom::Live => {}
-            StartFrom::Zero => seq.expect(0),
+            StartFrom::Zero => stream.seq.expect(0),
             StartFrom::ReplayNow => {
-                let mut replayer = Replayer {
-                    ctx,
-                    cfg,
-                    endpoint,
-                    stop,
-                };
-                let done = replayer.run(0, None, &mut seq, sink);
-                tracing::info!(caught_up = done, next = ?seq.expected(), "KV-event catch-up replay");
+                let done = stream.replay(0, None, None, sink) == Replay::Complete;
+                tracing::info!(caught_up = done, next = ?stream.seq.expected(), "KV-event catch-up replay");
             }
         }
     }
@@ -156,57 +157,261 @@ pub fn run<S: FrameSink>(
                 continue;
             }
         };
-        on_live(ctx, cfg, stop, &mut seq, sink, frame, received);
+        stream.on_live(sink, frame, received);
     }
     Ok(())
 }
 
-fn on_live<S: FrameSink>(
-    ctx: &zmq::Context,
-    cfg: &StreamConfig,
-    stop: &AtomicBool,
-    seq: &mut Sequencer,
-    sink: &mut S,
-    frame: KvFrame<'_>,
-    received: Instant,
-) {
-    let mut outcome = seq.on_live(frame.seq);
-    if let SeqOutcome::Gap { from, got } = outcome {
-        sink.gap(from, got);
-        let repaired = cfg.replay.as_deref().is_some_and(|endpoint| {
-            let mut replayer = Replayer {
-                ctx,
-                cfg,
-                endpoint,
-                stop,
-            };
-            replayer.run(from, Some(got), seq, sink)
-        });
-        if repaired {
-            tracing::info!(from, got, "KV-event gap repaired by replay");
-            sink.repaired(from, got);
-        } else {
-            tracing::warn!(from, got, "KV-event gap not repairable: resynchronising");
-            sink.lost(from, got);
-            seq.reset();
+/// The last frame delivered: its seq and a hash of its payload. A replay that repairs a gap
+/// starts with it, and the engine must answer that seq with the same payload: otherwise the
+/// engine restarted and its new sequence passed the old one while the subscriber was away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Last {
+    seq: u64,
+    hash: u64,
+}
+
+impl Last {
+    fn of(seq: u64, payload: &[u8]) -> Self {
+        let mut h = std::hash::DefaultHasher::new();
+        std::hash::Hasher::write(&mut h, payload);
+        Self {
+            seq,
+            hash: std::hash::Hasher::finish(&h),
         }
-        outcome = seq.on_live(frame.seq);
     }
-    match outcome {
-        SeqOutcome::Deliver => {}
-        SeqOutcome::Restarted => {
-            tracing::info!(publisher = %cfg.publisher, "engine restarted (seq back to 0)");
+}
+
+/// How a replay went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Replay {
+    /// Every frame asked for was delivered (or, without an end seq, the end marker came).
+    Complete,
+    /// It stopped short: no answer, a gap in the answer, or the frame to check was no longer
+    /// kept.
+    Incomplete,
+    /// The engine answered the last delivered seq with another payload: a new stream.
+    Restarted,
+}
+
+/// One subscription's state.
+struct Stream<'a> {
+    ctx: &'a zmq::Context,
+    cfg: &'a StreamConfig,
+    stop: &'a AtomicBool,
+    seq: Sequencer,
+    last: Option<Last>,
+}
+
+impl Stream<'_> {
+    fn deliver<S: FrameSink>(&mut self, sink: &mut S, frame: Frame<'_>) {
+        self.last = Some(Last::of(frame.seq, frame.payload));
+        sink.frame(frame);
+    }
+
+    fn on_live<S: FrameSink>(&mut self, sink: &mut S, frame: KvFrame<'_>, received: Instant) {
+        let mut outcome = self.seq.on_live(frame.seq);
+        if outcome == SeqOutcome::Restarted {
+            tracing::info!(
+                publisher = %self.cfg.publisher,
+                seq = frame.seq,
+                "engine restarted (its sequence went back): starting over"
+            );
+            self.last = None;
             sink.restarted();
+            // Seq 0 is delivered; a later one leaves the new stream's first frames as a gap.
+            outcome = self.seq.on_live(frame.seq);
         }
-        SeqOutcome::Duplicate | SeqOutcome::Gap { .. } => return,
+        if let SeqOutcome::Gap { from, got } = outcome {
+            sink.gap(from, got);
+            if self.repair(sink, from, got) {
+                tracing::info!(from, got, "KV-event gap repaired by replay");
+                sink.repaired(from, got);
+            } else {
+                tracing::warn!(from, got, "KV-event gap not repairable: resynchronising");
+                sink.lost(from, got);
+                self.seq.reset();
+            }
+            outcome = self.seq.on_live(frame.seq);
+        }
+        if outcome != SeqOutcome::Deliver {
+            return;
+        }
+        self.deliver(
+            sink,
+            Frame {
+                seq: frame.seq,
+                topic: frame.topic,
+                payload: frame.payload,
+                received,
+                replayed: false,
+            },
+        );
     }
-    sink.frame(Frame {
-        seq: frame.seq,
-        topic: frame.topic,
-        payload: frame.payload,
-        received,
-        replayed: false,
-    });
+
+    /// Replays `from..got`, first checking that the engine still has the stream the last
+    /// delivered frame belongs to. True when the sequencer reached `got`.
+    fn repair<S: FrameSink>(&mut self, sink: &mut S, from: u64, got: u64) -> bool {
+        if self.cfg.replay.is_none() {
+            return false;
+        }
+        let check = self.last.filter(|l| l.seq.checked_add(1) == Some(from));
+        match self.replay(from, Some(got), check, sink) {
+            Replay::Complete => true,
+            Replay::Incomplete => false,
+            Replay::Restarted => {
+                tracing::info!(
+                    publisher = %self.cfg.publisher,
+                    from,
+                    got,
+                    "engine restarted (its replay of the last seq differs): starting over"
+                );
+                self.last = None;
+                sink.restarted();
+                self.seq.restart();
+                got == 0 || self.replay(0, Some(got), None, sink) == Replay::Complete
+            }
+        }
+    }
+
+    /// Asks for every kept batch from `from` (from `check`'s seq when given, which the engine
+    /// must answer with the same payload), delivering those the sequencer accepts and that lie
+    /// below `until`. An engine's replay ROUTER drops what does not fit its send queue (vLLM
+    /// keeps ZMQ's default of 1,000 messages), so a long replay arrives with holes and without
+    /// its end marker: each time an answer stalls after progress, the rest is asked for again
+    /// from the next seq expected.
+    fn replay<S: FrameSink>(
+        &mut self,
+        from: u64,
+        until: Option<u64>,
+        check: Option<Last>,
+        sink: &mut S,
+    ) -> Replay {
+        let Some(endpoint) = self.cfg.replay.as_deref() else {
+            return Replay::Incomplete;
+        };
+        let mut check = check;
+        let mut start = check.map_or(from, |c| c.seq);
+        let mut rounds = 0u32;
+        loop {
+            rounds += 1;
+            let before = (self.seq.expected(), check.is_some());
+            let dealer = match self.request(endpoint, start) {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::warn!(endpoint, error = %e, "KV-event replay request failed");
+                    return Replay::Incomplete;
+                }
+            };
+            match self.round(&dealer, until, &mut check, sink) {
+                Round::Done(outcome) => {
+                    if rounds > 1 {
+                        tracing::info!(endpoint, from, rounds, ?outcome, "KV-event replay resumed");
+                    }
+                    return outcome;
+                }
+                // Progress: frames delivered, or the frame to check found as it should be.
+                Round::Stalled if (self.seq.expected(), check.is_some()) != before => {
+                    start = self.seq.expected().unwrap_or(from);
+                }
+                Round::Stalled => {
+                    tracing::warn!(endpoint, from, next = ?self.seq.expected(), "KV-event replay stalled");
+                    return Replay::Incomplete;
+                }
+            }
+        }
+    }
+
+    fn request(&self, endpoint: &str, start: u64) -> zmq::Result<zmq::Socket> {
+        let d = self.ctx.socket(zmq::DEALER)?;
+        d.set_rcvtimeo(millis(self.cfg.poll.min(Duration::from_millis(50))))?;
+        d.set_linger(0)?;
+        d.connect(endpoint)?;
+        d.send_multipart(replay_request(start), 0)?;
+        Ok(d)
+    }
+
+    /// Reads one request's answer.
+    fn round<S: FrameSink>(
+        &mut self,
+        dealer: &zmq::Socket,
+        until: Option<u64>,
+        check: &mut Option<Last>,
+        sink: &mut S,
+    ) -> Round {
+        let reached = |seq: &Sequencer| until.is_none_or(|u| seq.expected() == Some(u));
+        // Silence this long after the last answer means the rest was dropped; the first
+        // answer may take the whole timeout (an engine busy with a step).
+        let idle = self.cfg.replay_timeout.min(Duration::from_millis(300));
+        let started = Instant::now();
+        let mut heard: Option<Instant> = None;
+        while !self.stop.load(Ordering::Relaxed) {
+            let now = Instant::now();
+            match heard {
+                Some(at) if now.duration_since(at) > idle => return Round::Stalled,
+                None if now.duration_since(started) > self.cfg.replay_timeout => {
+                    tracing::warn!(from = ?self.seq.expected(), "KV-event replay timed out");
+                    return Round::Done(Replay::Incomplete);
+                }
+                _ => {}
+            }
+            let Ok(parts) = dealer.recv_multipart(0) else {
+                continue;
+            };
+            let received = Instant::now();
+            heard = Some(received);
+            match ReplayReply::from_parts(&parts) {
+                Ok(ReplayReply::End) if check.is_some() => return Round::Done(Replay::Incomplete),
+                Ok(ReplayReply::End) if reached(&self.seq) => return Round::Done(Replay::Complete),
+                // The end marker with frames still missing: some were dropped on the way.
+                Ok(ReplayReply::End) => return Round::Stalled,
+                Ok(ReplayReply::Batch { frame, .. }) => {
+                    if let Some(c) = check.take() {
+                        if frame.seq != c.seq {
+                            // The frame to check is no longer kept (or never was).
+                            return Round::Done(Replay::Incomplete);
+                        }
+                        if Last::of(frame.seq, frame.payload) != c {
+                            return Round::Done(Replay::Restarted);
+                        }
+                        continue;
+                    }
+                    if until.is_some_and(|u| frame.seq >= u) {
+                        continue;
+                    }
+                    match self.seq.on_replay(frame.seq) {
+                        SeqOutcome::Deliver => {
+                            self.deliver(
+                                sink,
+                                Frame {
+                                    seq: frame.seq,
+                                    topic: frame.topic,
+                                    payload: frame.payload,
+                                    received,
+                                    replayed: true,
+                                },
+                            );
+                            if until.is_some() && reached(&self.seq) {
+                                return Round::Done(Replay::Complete);
+                            }
+                        }
+                        SeqOutcome::Gap { .. } => return Round::Stalled,
+                        SeqOutcome::Duplicate | SeqOutcome::Restarted => {}
+                    }
+                }
+                Err(e) => sink.malformed(&e),
+            }
+        }
+        Round::Done(Replay::Incomplete)
+    }
+}
+
+/// How one replay request's answer ended.
+enum Round {
+    /// The replay is over.
+    Done(Replay),
+    /// The answer stopped short (a hole, or silence): ask again for the rest.
+    Stalled,
 }
 
 fn subscribe(ctx: &zmq::Context, cfg: &StreamConfig) -> zmq::Result<zmq::Socket> {
@@ -220,73 +425,4 @@ fn subscribe(ctx: &zmq::Context, cfg: &StreamConfig) -> zmq::Result<zmq::Socket>
 
 fn millis(d: Duration) -> i32 {
     i32::try_from(d.as_millis()).unwrap_or(i32::MAX).max(1)
-}
-
-/// One replay request's exchange.
-struct Replayer<'a> {
-    ctx: &'a zmq::Context,
-    cfg: &'a StreamConfig,
-    endpoint: &'a str,
-    stop: &'a AtomicBool,
-}
-
-impl Replayer<'_> {
-    /// Asks for every kept batch from `from`, delivering those the sequencer accepts and that
-    /// lie below `until`. True when the sequencer reached `until` (or, without one, when the
-    /// end marker arrived).
-    fn run<S: FrameSink>(
-        &mut self,
-        from: u64,
-        until: Option<u64>,
-        seq: &mut Sequencer,
-        sink: &mut S,
-    ) -> bool {
-        let dealer = match self.ctx.socket(zmq::DEALER).and_then(|d| {
-            d.set_rcvtimeo(millis(self.cfg.poll.min(Duration::from_millis(50))))?;
-            d.set_linger(0)?;
-            d.connect(self.endpoint)?;
-            d.send_multipart(replay_request(from), 0)?;
-            Ok(d)
-        }) {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::warn!(endpoint = %self.endpoint, error = %e, "KV-event replay request failed");
-                return false;
-            }
-        };
-        let deadline = Instant::now() + self.cfg.replay_timeout;
-        while Instant::now() < deadline && !self.stop.load(Ordering::Relaxed) {
-            let Ok(parts) = dealer.recv_multipart(0) else {
-                continue;
-            };
-            let received = Instant::now();
-            match ReplayReply::from_parts(&parts) {
-                Ok(ReplayReply::End) => return until.is_none_or(|u| seq.expected() == Some(u)),
-                Ok(ReplayReply::Batch { frame, .. }) => {
-                    if until.is_some_and(|u| frame.seq >= u) {
-                        continue;
-                    }
-                    match seq.on_replay(frame.seq) {
-                        SeqOutcome::Deliver => {
-                            sink.frame(Frame {
-                                seq: frame.seq,
-                                topic: frame.topic,
-                                payload: frame.payload,
-                                received,
-                                replayed: true,
-                            });
-                            if until.is_some() && seq.expected() == until {
-                                return true;
-                            }
-                        }
-                        SeqOutcome::Gap { .. } => return false,
-                        SeqOutcome::Duplicate | SeqOutcome::Restarted => {}
-                    }
-                }
-                Err(e) => sink.malformed(&e),
-            }
-        }
-        tracing::warn!(endpoint = %self.endpoint, from, "KV-event replay timed out");
-        until.is_some_and(|u| seq.expected() == Some(u))
-    }
 }
