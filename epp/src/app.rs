@@ -82,26 +82,7 @@ pub fn run(args: Args) -> Result<(), AppError> {
         .map_err(|e| config_error(format!("scheduler: {e}")))?;
     let upkeep = Scheduler::new(scheduler_config, seed)
         .map_err(|e| config_error(format!("scheduler: {e}")))?;
-    let salt_style = match args.engine {
-        EngineArg::Vllm => SaltStyle::VllmExtraKey,
-        EngineArg::Sglang => SaltStyle::Seed,
-    };
-    let mut keyer = Keyer::new(args.block_size as usize, salt_style, args.model.clone())
-        .with_finish(args.finish());
-    match &args.tokenizer_dir {
-        Some(dir) => {
-            let tok = tokenize::TextTokenizer::from_dir(dir)
-                .map_err(|e| config_error(format!("tokenizer: {e}")))?;
-            keyer = keyer.with_model(
-                args.model.clone(),
-                ModelTokenizer::new(tok, TOKEN_CACHE_BYTES),
-            );
-        }
-        None => tracing::warn!(
-            "no --tokenizer-dir: keys are approximate (byte fallback); prefix routing only matches \
-             engines using the same fallback"
-        ),
-    }
+    let keyer = keyer(&args)?;
     let index = Arc::new(
         KvIndex::new(IndexConfig::default()).map_err(|e| config_error(format!("index: {e}")))?,
     );
@@ -239,6 +220,33 @@ pub fn run(args: Args) -> Result<(), AppError> {
     stop.store(true, Ordering::Relaxed);
     let _ = background.join();
     served.map_err(|e| AppError::Serve(e.to_string()))
+}
+
+/// How the pool's requests are keyed: the engines' block size and salt style, the model's
+/// tokenizer when given, and inputs as large as the bodies the EPP accepts.
+fn keyer(args: &Args) -> Result<Keyer, AppError> {
+    let salt_style = match args.engine {
+        EngineArg::Vllm => SaltStyle::VllmExtraKey,
+        EngineArg::Sglang => SaltStyle::Seed,
+    };
+    let mut keyer = Keyer::new(args.block_size as usize, salt_style, args.model.clone())
+        .with_finish(args.finish())
+        .with_max_input_bytes(args.max_body_bytes);
+    match &args.tokenizer_dir {
+        Some(dir) => {
+            let tok = tokenize::TextTokenizer::from_dir(dir)
+                .map_err(|e| config_error(format!("tokenizer: {e}")))?;
+            keyer = keyer.with_model(
+                args.model.clone(),
+                ModelTokenizer::new(tok, TOKEN_CACHE_BYTES),
+            );
+        }
+        None => tracing::warn!(
+            "no --tokenizer-dir: keys are approximate (byte fallback); prefix routing only matches \
+             engines using the same fallback"
+        ),
+    }
+    Ok(keyer)
 }
 
 /// The NATS configuration, when `--nats-url` is set.
@@ -411,4 +419,54 @@ fn direct_sources(
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use clap::Parser as _;
+
+    use super::*;
+    use crate::routing::request::{Api, parse};
+
+    fn chat_of(bytes: usize) -> Vec<u8> {
+        serde_json::json!({
+            "model": "default",
+            "messages": [{"role": "user", "content": "word ".repeat(bytes / 5)}],
+        })
+        .to_string()
+        .into_bytes()
+    }
+
+    #[test]
+    fn every_chat_the_body_limit_lets_in_is_keyed_and_larger_ones_are_too_large() {
+        let args = Args::try_parse_from(["kvgate-epp", "--pool-name", "p"]).unwrap();
+        let keyer = keyer(&args).unwrap();
+        let body = chat_of(args.max_body_bytes - 1024);
+        assert!(body.len() <= args.max_body_bytes && body.len() > 9 << 20);
+        let keyed = keyer.key(&parse(Api::Chat, &body).unwrap()).unwrap();
+        assert!(keyed.prompt_tokens > 1 << 20);
+
+        let args = Args::try_parse_from([
+            "kvgate-epp",
+            "--pool-name",
+            "p",
+            "--max-body-bytes",
+            "65536",
+        ])
+        .unwrap();
+        let err = keyer_err(&args, &chat_of(100_000));
+        assert!(
+            matches!(err, tokenize::TokenizeError::InputTooLarge { .. }),
+            "{err}"
+        );
+    }
+
+    fn keyer_err(args: &Args, body: &[u8]) -> tokenize::TokenizeError {
+        keyer(args)
+            .unwrap()
+            .key(&parse(Api::Chat, body).unwrap())
+            .unwrap_err()
+    }
 }

@@ -134,7 +134,9 @@ pub struct Args {
     /// Tokenizer directory (tokenizer.json + tokenizer_config.json); approximate keys without.
     #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
     pub tokenizer_dir: Option<PathBuf>,
-    /// Largest request body accepted, in bytes.
+    /// Largest request body accepted, in bytes (larger: 413). Prompts and rendered chats up to
+    /// this size are keyed. With a gateway that buffers bodies (fail-open), give it the same
+    /// buffer limit.
     #[arg(long, default_value_t = 16 << 20)]
     pub max_body_bytes: usize,
     /// The pool's served model: requests without `model` are keyed as this one, and the

@@ -63,6 +63,7 @@ pub struct Keyer {
     chunk_bytes: usize,
     models: HashMap<String, Arc<ModelTokenizer>>,
     fallback: Arc<ModelTokenizer>,
+    limits: tokenize::Limits,
     finish: FinishConfig,
     finisher: Option<Finisher>,
 }
@@ -132,6 +133,7 @@ impl Keyer {
             chunk_bytes: tokenize::DEFAULT_CHUNK_BYTES,
             models: HashMap::new(),
             fallback: Arc::new(ModelTokenizer::new(TextTokenizer::fallback(), 0)),
+            limits: tokenize::Limits::default(),
             finish: FinishConfig::default(),
             finisher: None,
         }
@@ -144,9 +146,24 @@ impl Keyer {
         self
     }
 
-    /// Serves `model` with `tokenizer`. The first real tokenizer starts the background thread
-    /// that finishes early-stopped prompts (see `finish.rs`).
-    pub fn with_model(mut self, model: impl Into<String>, tokenizer: ModelTokenizer) -> Self {
+    /// Keys prompts and rendered chats of up to `bytes` (more is refused as too large): the
+    /// request body limit, so that every body the EPP takes can be keyed. Applies to the
+    /// fallback and to the tokenizers of models added after; set before [`Self::with_model`].
+    #[must_use]
+    pub fn with_max_input_bytes(mut self, bytes: usize) -> Self {
+        self.limits.max_input_bytes = bytes;
+        self.fallback = Arc::new(ModelTokenizer::new(
+            TextTokenizer::fallback().with_limits(self.limits),
+            0,
+        ));
+        self
+    }
+
+    /// Serves `model` with `tokenizer` (under this keyer's input limit). The first real
+    /// tokenizer starts the background thread that finishes early-stopped prompts (see
+    /// `finish.rs`).
+    pub fn with_model(mut self, model: impl Into<String>, mut tokenizer: ModelTokenizer) -> Self {
+        tokenizer.tokenizer = tokenizer.tokenizer.with_limits(self.limits);
         if self.finisher.is_none() && tokenizer.tokenizer.is_exact() {
             self.finisher = Finisher::start(self.finish);
         }

@@ -316,7 +316,9 @@ impl Picker {
             .keyer
             .key_served(&parsed, target.as_deref(), &mut |key| probe.held(key))
             .map_err(|e| {
-                let r = if e.is_client_error() {
+                let r = if matches!(e, tokenize::TokenizeError::InputTooLarge { .. }) {
+                    Rejection::PayloadTooLarge(e.to_string())
+                } else if e.is_client_error() {
                     Rejection::BadRequest(e.to_string())
                 } else {
                     Rejection::Unavailable(format!("tokenization failed: {e}"))
