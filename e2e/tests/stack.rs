@@ -181,6 +181,23 @@ fn killing_an_engine_fails_only_its_in_flight_requests() {
             .is_some_and(|running| running >= 1.0)
     });
     stack.kill(Component::Engine(0)).unwrap();
+    // How long the EPP takes to notice, from its failed scrapes of the dead engine.
+    let noticed = {
+        let metrics = stack.ports().epp_metrics;
+        let killed = Instant::now();
+        std::thread::spawn(move || {
+            while killed.elapsed() < Duration::from_secs(10) {
+                let down = probe::http_get(metrics, "/metrics", Duration::from_secs(1))
+                    .ok()
+                    .and_then(|(_, p)| probe::metric_sum(&p, "kvgate_epp_endpoints_unreachable"));
+                if down == Some(1.0) {
+                    return Some(killed.elapsed());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            None
+        })
+    };
     let replies: Vec<Reply> = streams.into_iter().map(|t| t.join().unwrap()).collect();
     for r in &replies {
         assert_eq!(r.status, 200, "{r:?}");
@@ -203,6 +220,35 @@ fn killing_an_engine_fails_only_its_in_flight_requests() {
         assert!(r.ok(), "request {i} after the kill: {r:?}");
         assert_ne!(r.pod(), "sim-0");
     }
+    // The EPP takes it out of rotation from its failed scrapes, within about a second: round
+    // robin then never lists it first.
+    let dead = stack.endpoints()[0].clone();
+    let noticed = noticed
+        .join()
+        .unwrap()
+        .expect("the dead engine never out of rotation");
+    eprintln!(
+        "dead engine out of rotation {} ms after the kill",
+        noticed.as_millis()
+    );
+    assert!(noticed < Duration::from_secs(3), "{noticed:?}");
+    for i in 0..6 {
+        let r = send(&stack, &chat(&format!("out {i}"), "hi", 4, false), &[]);
+        assert!(r.ok(), "{r:?}");
+        assert_ne!(r.picked()[0], dead, "picked a dead engine first: {r:?}");
+    }
+    // Back in rotation once it serves again.
+    stack.restart(Component::Engine(0)).unwrap();
+    wait_for(
+        "the engine back in rotation",
+        Duration::from_secs(10),
+        || epp_metric(&stack, "kvgate_epp_endpoints_unreachable") == 0.0,
+    );
+    let back = (0..6).any(|i| {
+        let r = send(&stack, &chat(&format!("back {i}"), "hi", 4, false), &[]);
+        r.ok() && r.pod() == "sim-0"
+    });
+    assert!(back, "the restarted engine was never picked");
     finish(stack);
 }
 

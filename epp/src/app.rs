@@ -1,6 +1,7 @@
 //! Composition: builds the routing state from the arguments, runs discovery, KV-event
 //! ingestion and index maintenance beside the ext_proc server, and shuts down on SIGINT/SIGTERM.
 
+use crate::load::health::{HealthBook, HealthConfig};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -132,7 +133,8 @@ pub fn run(args: Args) -> Result<(), AppError> {
             Arc::clone(kube.objectives()) as _;
         picker = picker.with_objectives(objectives);
     }
-    let picker = Arc::new(picker);
+    let health = Arc::new(HealthBook::new(HealthConfig::default()));
+    let picker = Arc::new(picker.with_health(Arc::clone(&health)));
     let readiness = Readiness::new();
     let stop = Arc::new(AtomicBool::new(false));
     let ingester = Ingester::new(Arc::clone(&state.index));
@@ -140,6 +142,7 @@ pub fn run(args: Args) -> Result<(), AppError> {
         let p = Arc::clone(&picker);
         crate::load::Scraper::new(
             Arc::clone(&state.loads),
+            health,
             Arc::new(move || p.now()),
             crate::load::ScrapeConfig::default(),
         )

@@ -229,6 +229,21 @@ pub fn render(s: &Sources) -> String {
         "Endpoints discovered.",
         endpoints.len() as f64,
     );
+    if let Some(router) = &s.router {
+        let health = router.health();
+        metric(
+            "kvgate_epp_endpoints_unreachable",
+            "gauge",
+            "Endpoints out of rotation: their /metrics failed several scrapes in a row.",
+            health.down_count() as f64,
+        );
+        metric(
+            "kvgate_epp_endpoints_unreachable_total",
+            "counter",
+            "Times an endpoint was taken out of rotation for failed scrapes.",
+            health.marked_down_total() as f64,
+        );
+    }
     let blocks = get(&p.prompt_blocks);
     metric(
         "kvgate_epp_prefix_hit_ratio",

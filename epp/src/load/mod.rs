@@ -4,7 +4,10 @@
 //!
 //! Samples are stamped with the caller's clock (the one the scheduler reads freshness with).
 //! The scraper never removes samples from the book: discovery does that when an endpoint leaves.
+//! Each scrape's outcome also feeds the endpoints' health ([`health`]): one that cannot be
+//! scraped a few times in a row is out of rotation until it can.
 
+pub mod health;
 mod http;
 
 use std::net::SocketAddr;
@@ -104,6 +107,7 @@ pub struct Scraper {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     stats: Arc<ScrapeStats>,
+    health: Arc<health::HealthBook>,
 }
 
 impl std::fmt::Debug for Scraper {
@@ -117,15 +121,21 @@ impl std::fmt::Debug for Scraper {
 
 impl Scraper {
     /// Starts the scraping thread (with no targets yet), recording into `book` with samples
-    /// stamped by `clock`.
-    pub fn new(book: Arc<LoadBook>, clock: Clock, config: ScrapeConfig) -> Self {
+    /// stamped by `clock`, and each scrape's outcome into `health`.
+    pub fn new(
+        book: Arc<LoadBook>,
+        health: Arc<health::HealthBook>,
+        clock: Clock,
+        config: ScrapeConfig,
+    ) -> Self {
         let targets: Targets = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let stats: Arc<ScrapeStats> = Arc::default();
         let (t, s, st) = (Arc::clone(&targets), Arc::clone(&stop), Arc::clone(&stats));
+        let h = Arc::clone(&health);
         let thread = std::thread::Builder::new()
             .name("load-scraper".to_owned())
-            .spawn(move || run(&t, &s, &st, &book, &*clock, &config))
+            .spawn(move || run(&t, &s, &st, (&book, &health), &*clock, &config))
             .map_err(|e| tracing::error!(error = %e, "cannot start the engine load scraper"))
             .ok();
         Self {
@@ -133,6 +143,7 @@ impl Scraper {
             stop,
             thread,
             stats,
+            health: h,
         }
     }
 
@@ -144,6 +155,8 @@ impl Scraper {
     /// Replaces the endpoints scraped (their metrics addresses); takes effect from the next
     /// scrape.
     pub fn sync(&self, targets: Vec<(EndpointId, SocketAddr)>) {
+        self.health
+            .retain(&targets.iter().map(|(id, _)| *id).collect());
         *self.targets.lock().unwrap_or_else(PoisonError::into_inner) = targets;
     }
 
@@ -175,7 +188,7 @@ fn run(
     targets: &Mutex<Vec<(EndpointId, SocketAddr)>>,
     stop: &AtomicBool,
     stats: &ScrapeStats,
-    book: &LoadBook,
+    (book, health): (&LoadBook, &health::HealthBook),
     clock: &dyn Fn() -> Millis,
     config: &ScrapeConfig,
 ) {
@@ -190,9 +203,11 @@ fn run(
             match scrape_once(addr, config, clock) {
                 Ok(sample) => {
                     book.record(id, sample);
+                    health.observe(id, addr, true);
                     stats.ok.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(e) => {
+                    health.observe(id, addr, false);
                     stats.failures.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(endpoint = id.get(), %addr, error = %e, "engine load scrape failed");
                 }
@@ -304,12 +319,20 @@ mod tests {
             read_timeout: Duration::from_secs(1),
             ..ScrapeConfig::default()
         };
-        let scraper = Scraper::new(Arc::clone(&book), Arc::clone(&clock), config);
+        let health = Arc::new(health::HealthBook::new(health::HealthConfig {
+            fail_after: 2,
+        }));
+        let scraper = Scraper::new(
+            Arc::clone(&book),
+            Arc::clone(&health),
+            Arc::clone(&clock),
+            config,
+        );
         scraper.sync(vec![(ep(1), addr), (ep(2), dead)]);
         assert_eq!(scraper.len(), 2);
         let stats = scraper.stats();
         let deadline = Instant::now() + Duration::from_secs(10);
-        while (stats.ok.load(Ordering::Relaxed) < 3 || stats.failures.load(Ordering::Relaxed) < 1)
+        while (stats.ok.load(Ordering::Relaxed) < 3 || stats.failures.load(Ordering::Relaxed) < 2)
             && Instant::now() < deadline
         {
             std::thread::sleep(Duration::from_millis(10));
@@ -322,6 +345,16 @@ mod tests {
             (4, 2, 0.625)
         );
         assert!(book.fresh(ep(2), clock(), Millis(5_000)).is_none());
+        // The dead endpoint is out of rotation, the live one in.
+        assert_eq!(health.down_count(), 1);
+        let eps = Arc::new(vec![
+            scheduler::Endpoint::new(ep(1), addr),
+            scheduler::Endpoint::new(ep(2), dead),
+        ]);
+        let ready: Vec<bool> = health.mask(eps).iter().map(|e| e.ready).collect();
+        assert_eq!(ready, [true, false]);
+        scraper.sync(vec![(ep(1), addr)]);
+        assert_eq!(health.down_count(), 0, "a departed endpoint is forgotten");
         assert!(stats.ok.load(Ordering::Relaxed) >= 3);
         assert!(stats.failures.load(Ordering::Relaxed) >= 1);
         drop(scraper);

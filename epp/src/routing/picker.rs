@@ -18,6 +18,7 @@ use super::rewrite::{REWRITE_HEADERS, RewriteRules, rewrite_request_body};
 use super::stats::{Completed, ErrorCode, RequestMetrics, Series};
 use crate::discovery::Datastore;
 use crate::extproc::{Decision, Rejection, ResponseEvent, ResponseModel, Router, RoutingInput};
+use crate::load::health::HealthBook;
 
 /// Headers naming the request's InferenceObjective, in the order they are read: llm-d's current
 /// spelling first, then GIE's.
@@ -137,6 +138,7 @@ pub struct Picker {
     inflight: Arc<InflightTracker>,
     loads: Arc<LoadBook>,
     datastore: Arc<Datastore>,
+    health: Arc<HealthBook>,
     tickets: Mutex<HashMap<u64, OpenRequest>>,
     next_ticket: AtomicU64,
     epoch: Instant,
@@ -164,6 +166,7 @@ impl Picker {
             inflight,
             loads,
             datastore,
+            health: Arc::default(),
             tickets: Mutex::new(HashMap::new()),
             next_ticket: AtomicU64::new(1),
             epoch: Instant::now(),
@@ -186,6 +189,18 @@ impl Picker {
     pub fn with_client_transfer_fields(mut self, allowed: bool) -> Self {
         self.client_transfer_fields = allowed;
         self
+    }
+
+    /// Leaves out of rotation the endpoints `health` has found unreachable.
+    #[must_use]
+    pub fn with_health(mut self, health: Arc<HealthBook>) -> Self {
+        self.health = health;
+        self
+    }
+
+    /// The endpoints' health the picker routes by.
+    pub fn health(&self) -> &HealthBook {
+        &self.health
     }
 
     /// Reads request priorities from `objectives` (header `x-gateway-inference-objective`).
@@ -350,7 +365,7 @@ impl Router for Picker {
     fn route(&self, input: RoutingInput<'_>) -> Result<Decision, Rejection> {
         let started = Instant::now();
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
-        let endpoints = self.datastore.snapshot();
+        let endpoints = self.health.mask(self.datastore.snapshot());
         let prepared = match self.prepare(&input, ticket, &endpoints) {
             Ok(p) => p,
             Err((rejection, model)) => return Err(self.reject(rejection, &model)),
