@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use kvgate_e2e::stack::{Component, KvbmConfig, Stack, StackConfig, probe};
 use scheduler::Policy;
-use support::gateway::{Reply, chat, post, post_bytes};
+use support::gateway::{Reply, chat, get, post, post_bytes};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -354,6 +354,23 @@ fn with_fail_open_requests_flow_while_the_epp_is_down() {
     // Routed through the EPP while it is up.
     let r = send(&stack, &chat("before", "hi", 4, false), &[]);
     assert!(r.ok() && !r.picked().is_empty(), "{r:?}");
+    // Envoy buffers bodies to fail open; it takes what the EPP takes (16 MiB), not its
+    // default 1 MiB.
+    let big = chat("big", &"many words ".repeat(150_000), 4, false);
+    let r = send(&stack, &big, &[]);
+    // The engine answers (past its context length, a JSON 400), not Envoy's plain-text 413.
+    assert!(
+        r.status != 0 && r.status != 413,
+        "a 1.6 MB request with fail-open: {} {}",
+        r.status,
+        r.body
+    );
+    assert!(
+        serde_json::from_str::<serde_json::Value>(&r.body).is_ok(),
+        "{} {}",
+        r.status,
+        r.body
+    );
     stack.stop_component(Component::Epp).unwrap();
     let mut pods = std::collections::BTreeSet::new();
     for i in 0..9 {
@@ -377,9 +394,27 @@ fn without_fail_open_requests_fail_while_the_epp_is_down() {
         ..StackConfig::default()
     });
     assert!(!stack.config().fail_open, "GIE's default is fail-closed");
+    // A client cannot pin a pool member: a subset header naming no endpoint is not read.
+    let r = send(
+        &stack,
+        &chat("pinned", "hi", 4, false),
+        &[("x-gateway-destination-endpoint-subset", "127.0.0.2:1")],
+    );
+    assert!(r.ok(), "a client-set subset was honoured: {r:?}");
+    // Only the OpenAI API is routed: the engines' own pages stay unreachable.
+    let r = get(stack.ports().envoy_listen, "/metrics");
+    assert_eq!(r.status, 404, "{r:?}");
+    assert!(!r.body.contains("vllm:"), "an engine's metrics: {r:?}");
+    let err: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(err["error"]["code"], "not_found", "{r:?}");
     stack.stop_component(Component::Epp).unwrap();
     let r = send(&stack, &chat("closed", "hi", 4, false), &[]);
-    assert!(r.status >= 500, "fail-closed Envoy answered {r:?}");
+    assert_eq!(r.status, 503, "fail-closed Envoy answered {r:?}");
+    assert_eq!(r.header("content-type"), Some("application/json"), "{r:?}");
+    let err: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.contains("endpoint picker"), "{r:?}");
+    assert_eq!(err["error"]["code"], "endpoint_picker_unreachable", "{r:?}");
     finish(stack);
 }
 
@@ -422,7 +457,10 @@ fn overload_answers_429() {
 #[test]
 fn conformance_the_gateway_follows_the_list_and_subset_hints() {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let mut stack = start(StackConfig::default().with_policy(Policy::RoundRobin));
+    let mut stack = start(StackConfig {
+        subset_header: true,
+        ..StackConfig::default().with_policy(Policy::RoundRobin)
+    });
     let listed = stack.endpoints();
     // A one-endpoint subset: every request lands there.
     for i in 0..6 {

@@ -83,6 +83,11 @@ pub struct StackConfig {
     /// GIE's default is fail-closed. Fail-open makes Envoy buffer request bodies (see
     /// [`render::envoy_yaml`](super::render::envoy_yaml)).
     pub fail_open: bool,
+    /// Let clients send the subset hint as the `x-gateway-destination-endpoint-subset` request
+    /// header (Envoy turns it into the `envoy.lb.subset_hint` metadata). For the conformance
+    /// tests only: in GIE the subset comes from the data plane, and a client allowed to set it
+    /// pins a pool member of its choice. Off: the header is stripped by the EPP, unread.
+    pub subset_header: bool,
     /// What routes requests: Envoy + EPP, or a peer router in their place.
     pub router: Router,
     /// A peer router's `--policy` (`cache_aware`, `round_robin`, …).
@@ -133,6 +138,7 @@ impl Default for StackConfig {
             router_bin: None,
             envoy_lb: EnvoyLb::OverrideHost,
             fail_open: false,
+            subset_header: false,
             pool: "local".into(),
             namespace: "default".into(),
             log_level: "info".into(),

@@ -62,15 +62,29 @@ pub const UPSTREAM_HEADER: &str = "x-kvgate-upstream";
 /// See [`UPSTREAM_HEADER`].
 pub const PICKED_HEADER: &str = "x-kvgate-picked";
 /// The request header Envoy turns into the subset hint metadata
-/// (`envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`) for the EPP.
+/// (`envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`) for the EPP, with
+/// [`StackConfig::subset_header`] only: the subset is the data plane's to set (GIE), and a
+/// client that could send it would pin a pool member of its choice.
 pub const SUBSET_HEADER: &str = "x-gateway-destination-endpoint-subset";
 
-/// Envoy's bootstrap: one listener → header-to-metadata (subset hint) → ext_proc (the EPP,
-/// FULL_DUPLEX_STREAMED both ways; with fail-open the request body is BUFFERED, because Envoy
-/// 1.40 can only fail open before it has streamed a body chunk to the processor, and a dead EPP
-/// is noticed after that) → router to the pool cluster, which follows the EPP's pick
-/// (`override_host` with the fallback list, or `ORIGINAL_DST` on the destination header).
-/// Connect failures and 502/503 from a sidecar are retried on the next host of the EPP's list.
+/// The largest request body Envoy takes, as the EPP's default `--max-body-bytes`: with
+/// fail-open Envoy buffers bodies, and its default connection buffer (1 MiB) would refuse
+/// larger ones with a plain-text 413.
+pub const MAX_BODY_BYTES: u32 = 16 << 20;
+
+/// The OpenAI paths the listener routes to the pool; anything else (the engines' `/metrics`,
+/// `/health`, admin paths) is answered 404 by Envoy.
+pub const ROUTED_PATHS: &[&str] = &["/v1/completions", "/v1/chat/completions", "/v1/models"];
+
+/// Envoy's bootstrap: one listener → (header-to-metadata for the subset hint, in tests) →
+/// ext_proc (the EPP, FULL_DUPLEX_STREAMED both ways; with fail-open the request body is
+/// BUFFERED, because Envoy 1.40 can only fail open before it has streamed a body chunk to the
+/// processor, and a dead EPP is noticed after that) → router to the pool cluster, which
+/// follows the EPP's pick (`override_host` with the fallback list, or `ORIGINAL_DST` on the
+/// destination header). Connect failures and 502/503 from a sidecar are retried on the next
+/// host of the EPP's list. Only [`ROUTED_PATHS`] reach the pool. When the EPP cannot be
+/// reached and the filter fails closed, the client gets a JSON 503 that says so (Envoy's own
+/// answer is an empty 500).
 pub fn envoy_yaml(config: &StackConfig, ports: &Ports) -> String {
     let hosts: String = ports
         .endpoint_ports()
@@ -124,6 +138,7 @@ static_resources:
   listeners:
   - name: llm
     address: {{ socket_address: {{ address: 127.0.0.1, port_value: {listen} }} }}
+    per_connection_buffer_limit_bytes: {max_body}
     filter_chains:
     - filters:
       - name: envoy.filters.network.http_connection_manager
@@ -135,32 +150,37 @@ static_resources:
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog
               log_format: {{ text_format_source: {{ inline_string: "ACCESS status=%RESPONSE_CODE% upstream=%UPSTREAM_HOST% picked=%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)% flags=%RESPONSE_FLAGS%\n" }} }}
+          local_reply_config:
+            mappers:
+            - filter:
+                extension_filter:
+                  name: envoy.access_loggers.extension_filters.cel
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
+                    expression: "response.code == 500 && response.code_details.startsWith('ext_proc_error')"
+              status_code: 503
+              body_format_override:
+                json_format:
+                  error:
+                    message: "the endpoint picker could not be reached (%RESPONSE_CODE_DETAILS%); retry later"
+                    type: service_unavailable
+                    code: endpoint_picker_unreachable
+                content_type: application/json
           route_config:
             name: llm
             virtual_hosts:
             - name: default
               domains: ["*"]
               routes:
-              - match: {{ prefix: "/" }}
-                route:
-                  cluster: pool
-                  timeout: 300s
-                  retry_policy:
-                    retry_on: connect-failure,refused-stream,retriable-status-codes
-                    retriable_status_codes: [502, 503]
-                    num_retries: 3
+{routes}              - match: {{ prefix: "/" }}
+                direct_response:
+                  status: 404
+                  body: {{ inline_string: "{{\"error\": {{\"message\": \"not found: this gateway serves the OpenAI API under /v1\", \"type\": \"not_found\", \"code\": \"not_found\"}}}}" }}
                 response_headers_to_add:
-                - header: {{ key: {upstream}, value: "%UPSTREAM_HOST%" }}
-                - header: {{ key: {picked}, value: "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%" }}
+                - header: {{ key: content-type, value: application/json }}
+                  append_action: OVERWRITE_IF_EXISTS_OR_ADD
           http_filters:
-          - name: envoy.filters.http.header_to_metadata
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
-              request_rules:
-              - header: {subset}
-                on_header_present: {{ metadata_namespace: envoy.lb.subset_hint, key: {subset}, type: STRING }}
-                remove: true
-          - name: envoy.filters.http.ext_proc
+{subset_filter}          - name: envoy.filters.http.ext_proc
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
               grpc_service:
@@ -204,9 +224,53 @@ static_resources:
         } else {
             "FULL_DUPLEX_STREAMED"
         },
-        upstream = UPSTREAM_HEADER,
-        picked = PICKED_HEADER,
-        subset = SUBSET_HEADER,
+        max_body = MAX_BODY_BYTES,
+        routes = routes(),
+        subset_filter = if config.subset_header {
+            subset_filter()
+        } else {
+            String::new()
+        },
+    )
+}
+
+/// The pool's routes: one per [`ROUTED_PATHS`] prefix.
+fn routes() -> String {
+    ROUTED_PATHS
+        .iter()
+        .map(|path| {
+            format!(
+                r#"              - match: {{ prefix: "{path}" }}
+                route:
+                  cluster: pool
+                  timeout: 300s
+                  retry_policy:
+                    retry_on: connect-failure,refused-stream,retriable-status-codes
+                    retriable_status_codes: [502, 503]
+                    num_retries: 3
+                response_headers_to_add:
+                - header: {{ key: {upstream}, value: "%UPSTREAM_HOST%" }}
+                - header: {{ key: {picked}, value: "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%" }}
+"#,
+                upstream = UPSTREAM_HEADER,
+                picked = PICKED_HEADER,
+            )
+        })
+        .collect()
+}
+
+/// Turns [`SUBSET_HEADER`] into the subset hint metadata (and removes it).
+fn subset_filter() -> String {
+    format!(
+        r#"          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              request_rules:
+              - header: {subset}
+                on_header_present: {{ metadata_namespace: envoy.lb.subset_hint, key: {subset}, type: STRING }}
+                remove: true
+"#,
+        subset = SUBSET_HEADER
     )
 }
 
@@ -307,5 +371,26 @@ mod tests {
         let y = envoy_yaml(&closed, &p);
         assert!(y.contains("failure_mode_allow: false") && y.contains("ORIGINAL_DST"));
         assert!(!y.contains(&format!("port_value: {} ", p.engines[0].proxy)));
+    }
+
+    #[test]
+    fn envoy_takes_no_routing_input_from_clients_and_routes_only_the_openai_paths() {
+        let p = ports();
+        let y = envoy_yaml(&StackConfig::default(), &p);
+        assert!(!y.contains("header_to_metadata"), "{y}");
+        assert!(!y.contains(SUBSET_HEADER));
+        for path in ROUTED_PATHS {
+            assert!(y.contains(&format!("prefix: \"{path}\"")), "{path}");
+        }
+        assert_eq!(y.matches("cluster: pool").count(), ROUTED_PATHS.len());
+        assert!(y.contains("status: 404"));
+        assert!(y.contains(&format!("per_connection_buffer_limit_bytes: {}", 16 << 20)));
+        assert!(y.contains("status_code: 503"));
+        let trusting = StackConfig {
+            subset_header: true,
+            ..StackConfig::default()
+        };
+        let y = envoy_yaml(&trusting, &p);
+        assert!(y.contains("header_to_metadata") && y.contains(SUBSET_HEADER));
     }
 }

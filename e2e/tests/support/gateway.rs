@@ -95,6 +95,15 @@ pub fn post(port: u16, path: &str, headers: &[(&str, &str)], body: &serde_json::
 
 /// POSTs raw `body` bytes.
 pub fn post_bytes(port: u16, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
+    request(port, "POST", path, headers, body)
+}
+
+/// GETs `path`.
+pub fn get(port: u16, path: &str) -> Reply {
+    request(port, "GET", path, &[], &[])
+}
+
+fn request(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
     let failed = Reply {
         status: 0,
         headers: vec![],
@@ -106,7 +115,7 @@ pub fn post_bytes(port: u16, path: &str, headers: &[(&str, &str)], body: &[u8]) 
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(120)));
     let mut head = format!(
-        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\
+        "{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\
          content-type: application/json\r\ncontent-length: {}\r\n",
         body.len()
     );
