@@ -209,7 +209,7 @@ impl Metrics {
             (
                 "engine_restarts_total",
                 &self.restarts,
-                "Engine restarts seen (sequence back to 0).",
+                "Engine restarts seen (the sequence went back, or a replay answered with another stream).",
             ),
             (
                 "malformed_total",
