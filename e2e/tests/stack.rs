@@ -533,6 +533,7 @@ fn conformance_data_parallel_ports_are_separate_endpoints() {
     let stack = start(StackConfig {
         engines: 2,
         dp_ranks: 2,
+        subset_header: true,
         ..StackConfig::default()
     });
     let listed = stack.endpoints();
@@ -626,6 +627,7 @@ fn an_offloaded_prefix_is_routed_back_to_the_engine_holding_it_in_host_memory() 
         ]
         .map(String::from)
         .to_vec(),
+        subset_header: true,
         ..StackConfig::default()
     });
     // Where a prompt nobody holds goes when the pool is idle (the tie-break's choice); the

@@ -84,9 +84,10 @@ pub struct StackConfig {
     /// [`render::envoy_yaml`](super::render::envoy_yaml)).
     pub fail_open: bool,
     /// Let clients send the subset hint as the `x-gateway-destination-endpoint-subset` request
-    /// header (Envoy turns it into the `envoy.lb.subset_hint` metadata). For the conformance
-    /// tests only: in GIE the subset comes from the data plane, and a client allowed to set it
-    /// pins a pool member of its choice. Off: the header is stripped by the EPP, unread.
+    /// header (Envoy turns it into the `envoy.lb.subset_hint` metadata). For tests that pin
+    /// requests to an endpoint (the conformance tests, the offload test) only: in GIE the
+    /// subset comes from the data plane, and a client allowed to set it pins a pool member of
+    /// its choice. Off: the header is stripped by the EPP, unread.
     pub subset_header: bool,
     /// What routes requests: Envoy + EPP, or a peer router in their place.
     pub router: Router,
