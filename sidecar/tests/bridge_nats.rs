@@ -373,3 +373,109 @@ async fn nats_outage_keeps_the_resident_set_makes_the_pod_unready_and_resyncs_on
         );
     }
 }
+
+/// A sidecar restarted beside an engine that has published more batches than its replay socket
+/// can queue (the simulator's replay drops like vLLM's beyond ZMQ's 1,000-message send queue):
+/// the new sidecar rebuilds the same resident set from the replay, asking again where an answer
+/// stopped, instead of hitting a gap and publishing `Cleared`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_sidecar_rebuilds_a_long_history_from_the_replay() {
+    const PROMPTS: u32 = 4_000;
+    let nats = Nats::start();
+    let sim = start_sim(&["--num-gpu-blocks", "1024"]);
+    let first = Sidecar::start(
+        &nats.url(),
+        sim.http,
+        &ep(sim.publisher),
+        &ep(sim.replay),
+        "pod-a",
+        &[],
+    );
+    wait_for("NATS connected", Duration::from_secs(10), || {
+        first.metric("kvgate_sidecar_nats_connected") == 1.0
+    });
+    for seed in 0..PROMPTS {
+        sim.complete(&prompt(10_000 + seed, 1));
+    }
+    // The engine's last steps may publish after the last answer: wait until it is quiet.
+    let mut published = sim_metric(&sim, "kvgate_sim_kv_event_batches_published_total");
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = sim_metric(&sim, "kvgate_sim_kv_event_batches_published_total");
+        if now == published {
+            break;
+        }
+        published = now;
+    }
+    assert!(published > 3_000.0, "only {published} batches");
+    wait_for("every batch bridged", Duration::from_secs(30), || {
+        first.metric("kvgate_sidecar_frames_in_total") >= published
+    });
+    let rx = Receiver::connect(&nats.url(), "kvgate.kv.ns.pool.pod-a").await;
+    let before = settled_view(&rx.client).await;
+    let first_frames = first.metric("kvgate_sidecar_frames_in_total");
+    assert!(before.len() > 500, "{} resident keys", before.len());
+    drop(first);
+
+    let second = Sidecar::start(
+        &nats.url(),
+        sim.http,
+        &ep(sim.publisher),
+        &ep(sim.replay),
+        "pod-a",
+        &[],
+    );
+    wait_for("the catch-up replay", Duration::from_secs(30), || {
+        second.metric("kvgate_sidecar_frames_in_total") >= published
+    });
+    wait_for("NATS connected", Duration::from_secs(10), || {
+        second.metric("kvgate_sidecar_nats_connected") == 1.0
+    });
+    let after = settled_view(&rx.client).await;
+    assert_eq!(second.metric("kvgate_sidecar_lost_total"), 0.0);
+    assert_eq!(
+        after.len(),
+        before.len(),
+        "the rebuilt view differs from the one before the restart"
+    );
+    let missing = before.difference(&after).count();
+    let extra = after.difference(&before).count();
+    assert!(
+        missing == 0 && extra == 0,
+        "after the restart: {missing} keys missing, {extra} extra; {published} batches published, \
+         {} bridged by the first sidecar, {} by the second",
+        first_frames,
+        second.metric("kvgate_sidecar_frames_in_total")
+    );
+}
+
+/// pod-a's view once two snapshots in a row agree: a sidecar seals its last batch when the
+/// engine's stream goes quiet, and a snapshot holds what is sealed.
+async fn settled_view(client: &async_nats::Client) -> HashSet<BlockKey> {
+    let mut view = resident(&snapshot(client, "pod-a").await);
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let again = resident(&snapshot(client, "pod-a").await);
+        if again == view {
+            return view;
+        }
+        view = again;
+    }
+}
+
+fn resident(snap: &kv_events::snapshot::Snapshot) -> HashSet<BlockKey> {
+    snap.entries()
+        .filter(|(_, t)| *t == Tier::Gpu)
+        .map(|(k, _)| k)
+        .collect()
+}
+
+fn sim_metric(sim: &support::Sim, name: &str) -> f64 {
+    let (_, text) = support::http_request(sim.http, "GET", "/metrics", None).unwrap();
+    text.lines()
+        .find_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            (k == name).then(|| v.parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("sim metric {name} missing"))
+}
