@@ -204,9 +204,21 @@ struct Stream<'a> {
 }
 
 impl Stream<'_> {
-    fn deliver<S: FrameSink>(&mut self, sink: &mut S, frame: Frame<'_>) {
+    fn deliver<S: FrameSink>(
+        &mut self,
+        sink: &mut S,
+        frame: &KvFrame<'_>,
+        received: Instant,
+        replayed: bool,
+    ) {
         self.last = Some(Last::of(frame.seq, frame.payload));
-        sink.frame(frame);
+        sink.frame(Frame {
+            seq: frame.seq,
+            topic: frame.topic,
+            payload: frame.payload,
+            received,
+            replayed,
+        });
     }
 
     fn on_live<S: FrameSink>(&mut self, sink: &mut S, frame: KvFrame<'_>, received: Instant) {
@@ -237,16 +249,7 @@ impl Stream<'_> {
         if outcome != SeqOutcome::Deliver {
             return;
         }
-        self.deliver(
-            sink,
-            Frame {
-                seq: frame.seq,
-                topic: frame.topic,
-                payload: frame.payload,
-                received,
-                replayed: false,
-            },
-        );
+        self.deliver(sink, &frame, received, false);
     }
 
     /// Replays `from..got`, first checking that the engine still has the stream the last
@@ -381,16 +384,7 @@ impl Stream<'_> {
                     }
                     match self.seq.on_replay(frame.seq) {
                         SeqOutcome::Deliver => {
-                            self.deliver(
-                                sink,
-                                Frame {
-                                    seq: frame.seq,
-                                    topic: frame.topic,
-                                    payload: frame.payload,
-                                    received,
-                                    replayed: true,
-                                },
-                            );
+                            self.deliver(sink, &frame, received, true);
                             if until.is_some() && reached(&self.seq) {
                                 return Round::Done(Replay::Complete);
                             }
