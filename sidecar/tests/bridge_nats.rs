@@ -41,17 +41,7 @@ async fn sim_events_arrive_normalised_and_a_restart_gets_a_new_epoch_and_a_full_
     let nats = Nats::start();
     let sim = start_sim(&[]);
     let mut rx = Receiver::connect(&nats.url(), "kvgate.kv.ns.pool.pod-a").await;
-    let sidecar = Sidecar::start(
-        &nats.url(),
-        sim.http,
-        &ep(sim.publisher),
-        &ep(sim.replay),
-        "pod-a",
-        &[],
-    );
-    wait_for("NATS connected", Duration::from_secs(10), || {
-        sidecar.metric("kvgate_sidecar_nats_connected") == 1.0
-    });
+    let sidecar = sim_sidecar(&nats, &sim);
     // Give the SUB socket time to join before the first event.
     tokio::time::sleep(Duration::from_millis(300)).await;
 
@@ -74,12 +64,8 @@ async fn sim_events_arrive_normalised_and_a_restart_gets_a_new_epoch_and_a_full_
     // The snapshot agrees with the stream.
     let snap = snapshot(&rx.client, "pod-a").await;
     assert_eq!(snap.epoch, epoch1);
-    let resident: HashSet<BlockKey> = snap
-        .entries()
-        .filter(|(_, t)| *t == Tier::Gpu)
-        .map(|(k, _)| k)
-        .collect();
-    assert!(want_a.iter().all(|k| resident.contains(k)));
+    let held = resident(&snap);
+    assert!(want_a.iter().all(|k| held.contains(k)));
     assert_eq!(
         sidecar.metric("kvgate_sidecar_snapshot_requests_total"),
         1.0
@@ -89,26 +75,12 @@ async fn sim_events_arrive_normalised_and_a_restart_gets_a_new_epoch_and_a_full_
     drop(sidecar);
     let b = prompt(2, 3);
     sim.complete(&b);
-    let sidecar = Sidecar::start(
-        &nats.url(),
-        sim.http,
-        &ep(sim.publisher),
-        &ep(sim.replay),
-        "pod-a",
-        &[],
-    );
-    wait_for("NATS connected", Duration::from_secs(10), || {
-        sidecar.metric("kvgate_sidecar_nats_connected") == 1.0
-    });
+    let sidecar = sim_sidecar(&nats, &sim);
     let snap = snapshot(&rx.client, "pod-a").await;
     assert_ne!(snap.epoch, epoch1, "a new sidecar start is a new epoch");
-    let resident: HashSet<BlockKey> = snap
-        .entries()
-        .filter(|(_, t)| *t == Tier::Gpu)
-        .map(|(k, _)| k)
-        .collect();
+    let held = resident(&snap);
     for k in want_a.iter().chain(&keys(&b)) {
-        assert!(resident.contains(k), "snapshot after restart lacks {k:?}");
+        assert!(held.contains(k), "snapshot after restart lacks {k:?}");
     }
     // Load samples flow too.
     wait_for("load samples", Duration::from_secs(5), || {
@@ -361,16 +333,9 @@ async fn nats_outage_keeps_the_resident_set_makes_the_pod_unready_and_resyncs_on
     });
     let snap = snapshot(&rx.client, "pod-n").await;
     assert_ne!(snap.epoch, epoch1, "NATS's return starts a new epoch");
-    let resident: HashSet<BlockKey> = snap
-        .entries()
-        .filter(|(_, t)| *t == Tier::Gpu)
-        .map(|(k, _)| k)
-        .collect();
+    let held = resident(&snap);
     for k in want_a.iter().chain(&keys(&b)) {
-        assert!(
-            resident.contains(k),
-            "snapshot after the outage lacks {k:?}"
-        );
+        assert!(held.contains(k), "snapshot after the outage lacks {k:?}");
     }
 }
 
@@ -383,25 +348,15 @@ async fn a_restarted_sidecar_rebuilds_a_long_history_from_the_replay() {
     const PROMPTS: u32 = 4_000;
     let nats = Nats::start();
     let sim = start_sim(&["--num-gpu-blocks", "1024"]);
-    let first = Sidecar::start(
-        &nats.url(),
-        sim.http,
-        &ep(sim.publisher),
-        &ep(sim.replay),
-        "pod-a",
-        &[],
-    );
-    wait_for("NATS connected", Duration::from_secs(10), || {
-        first.metric("kvgate_sidecar_nats_connected") == 1.0
-    });
+    let first = sim_sidecar(&nats, &sim);
     for seed in 0..PROMPTS {
         sim.complete(&prompt(10_000 + seed, 1));
     }
     // The engine's last steps may publish after the last answer: wait until it is quiet.
-    let mut published = sim_metric(&sim, "kvgate_sim_kv_event_batches_published_total");
+    let mut published = sim.metric("kvgate_sim_kv_event_batches_published_total");
     loop {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let now = sim_metric(&sim, "kvgate_sim_kv_event_batches_published_total");
+        let now = sim.metric("kvgate_sim_kv_event_batches_published_total");
         if now == published {
             break;
         }
@@ -417,19 +372,9 @@ async fn a_restarted_sidecar_rebuilds_a_long_history_from_the_replay() {
     assert!(before.len() > 500, "{} resident keys", before.len());
     drop(first);
 
-    let second = Sidecar::start(
-        &nats.url(),
-        sim.http,
-        &ep(sim.publisher),
-        &ep(sim.replay),
-        "pod-a",
-        &[],
-    );
+    let second = sim_sidecar(&nats, &sim);
     wait_for("the catch-up replay", Duration::from_secs(30), || {
         second.metric("kvgate_sidecar_frames_in_total") >= published
-    });
-    wait_for("NATS connected", Duration::from_secs(10), || {
-        second.metric("kvgate_sidecar_nats_connected") == 1.0
     });
     let after = settled_view(&rx.client).await;
     assert_eq!(second.metric("kvgate_sidecar_lost_total"), 0.0);
@@ -470,12 +415,18 @@ fn resident(snap: &kv_events::snapshot::Snapshot) -> HashSet<BlockKey> {
         .collect()
 }
 
-fn sim_metric(sim: &support::Sim, name: &str) -> f64 {
-    let (_, text) = support::http_request(sim.http, "GET", "/metrics", None).unwrap();
-    text.lines()
-        .find_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            (k == name).then(|| v.parse().unwrap())
-        })
-        .unwrap_or_else(|| panic!("sim metric {name} missing"))
+/// A sidecar named `pod-a` bridging `sim`'s events to `nats`, once it is connected.
+fn sim_sidecar(nats: &Nats, sim: &support::Sim) -> Sidecar {
+    let sidecar = Sidecar::start(
+        &nats.url(),
+        sim.http,
+        &ep(sim.publisher),
+        &ep(sim.replay),
+        "pod-a",
+        &[],
+    );
+    wait_for("NATS connected", Duration::from_secs(10), || {
+        sidecar.metric("kvgate_sidecar_nats_connected") == 1.0
+    });
+    sidecar
 }

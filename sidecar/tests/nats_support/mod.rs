@@ -135,6 +135,13 @@ pub fn start_sim(extra: &[&str]) -> Sim {
 
 impl Sim {
     /// Sends a completion for `tokens` (one output token) and waits for it.
+    /// A sample's value from the simulator's /metrics.
+    pub fn metric(&self, name: &str) -> f64 {
+        let (status, page) = http_request(self.http, "GET", "/metrics", None).unwrap();
+        assert_eq!(status, 200, "{page}");
+        sample(&page, name)
+    }
+
     pub fn complete(&self, tokens: &[u32]) {
         let body = serde_json::json!({"model": "tiny", "prompt": tokens, "max_tokens": 1});
         let (status, text) = http_request(
@@ -217,14 +224,18 @@ impl Sidecar {
 
     /// A sample's value from /metrics.
     pub fn metric(&self, name: &str) -> f64 {
-        let text = self.metrics_text().unwrap_or_default();
-        text.lines()
-            .find_map(|l| {
-                let (k, v) = l.rsplit_once(' ')?;
-                (k == name).then(|| v.parse().unwrap())
-            })
-            .unwrap_or_else(|| panic!("metric {name} missing"))
+        sample(&self.metrics_text().unwrap_or_default(), name)
     }
+}
+
+/// An unlabelled sample's value from a Prometheus text page; panics when it is missing.
+pub fn sample(page: &str, name: &str) -> f64 {
+    page.lines()
+        .find_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            (k == name).then(|| v.parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("metric {name} missing"))
 }
 
 /// A minimal HTTP/1.1 request; returns (status, body).
