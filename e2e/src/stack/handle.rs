@@ -467,6 +467,9 @@ impl Stack {
                     &c.model,
                     "--block-size",
                     &c.block_size.to_string(),
+                    // The body limit Envoy's buffer is sized to (render::MAX_BODY_BYTES).
+                    "--max-body-bytes",
+                    &render::MAX_BODY_BYTES.to_string(),
                 ]);
                 if c.kv_events == KvEventsPath::Nats {
                     args.extend(strings(&["--nats-url", &nats_url]));

@@ -67,9 +67,9 @@ pub const PICKED_HEADER: &str = "x-kvgate-picked";
 /// client that could send it would pin a pool member of its choice.
 pub const SUBSET_HEADER: &str = "x-gateway-destination-endpoint-subset";
 
-/// The largest request body Envoy takes, as the EPP's default `--max-body-bytes`: with
-/// fail-open Envoy buffers bodies, and its default connection buffer (1 MiB) would refuse
-/// larger ones with a plain-text 413.
+/// The largest request body the stack takes: the EPP's `--max-body-bytes` (its default) and
+/// Envoy's connection buffer, which with fail-open holds whole bodies (Envoy's default of
+/// 1 MiB would refuse larger ones with a plain-text 413).
 pub const MAX_BODY_BYTES: u32 = 16 << 20;
 
 /// The OpenAI paths the listener routes to the pool; anything else (the engines' `/metrics`,
