@@ -135,13 +135,6 @@ pub fn start_sim(extra: &[&str]) -> Sim {
 
 impl Sim {
     /// Sends a completion for `tokens` (one output token) and waits for it.
-    /// A sample's value from the simulator's /metrics.
-    pub fn metric(&self, name: &str) -> f64 {
-        let (status, page) = http_request(self.http, "GET", "/metrics", None).unwrap();
-        assert_eq!(status, 200, "{page}");
-        sample(&page, name)
-    }
-
     pub fn complete(&self, tokens: &[u32]) {
         let body = serde_json::json!({"model": "tiny", "prompt": tokens, "max_tokens": 1});
         let (status, text) = http_request(
