@@ -218,9 +218,12 @@ async fn real_vllm_frames_become_the_routers_keys() {
     );
     assert_eq!(sidecar.metric("kvgate_sidecar_gaps_total"), 0.0);
     assert!(sidecar.metric("kvgate_sidecar_events_in_total") >= 1.0);
-    // Events out are counted when an envelope is sealed (they were sampled before the seal and
-    // stayed at 0).
-    assert!(sidecar.metric("kvgate_sidecar_events_out_total") >= want.len() as f64);
+    // Events out are counted when an envelope is sealed, before it is queued, so the counter
+    // covers every event received. It counts events, not keys, and the wait above can end before
+    // the later frames are sealed: request A's six keys can arrive in five events.
+    let received: usize = rx.envelopes.iter().map(|e| e.events.len()).sum();
+    assert!(received >= 1);
+    assert!(sidecar.metric("kvgate_sidecar_events_out_total") >= received as f64);
 }
 
 fn fixture_frames() -> Vec<Vec<Vec<u8>>> {
