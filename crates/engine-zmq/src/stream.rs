@@ -282,7 +282,8 @@ impl Stream<'_> {
     /// below `until`. An engine's replay ROUTER drops what does not fit its send queue (vLLM
     /// keeps ZMQ's default of 1,000 messages), so a long replay arrives with holes and without
     /// its end marker: each time an answer stalls after progress, the rest is asked for again
-    /// from the next seq expected.
+    /// from the next seq expected. Without `until`, a replay is complete only once an answer
+    /// brings nothing new.
     fn replay<S: FrameSink>(
         &mut self,
         from: u64,
@@ -314,8 +315,22 @@ impl Stream<'_> {
                     return outcome;
                 }
                 // Progress: frames delivered, or the frame to check found as it should be.
-                Round::Stalled if (self.seq.expected(), check.is_some()) != before => {
+                Round::Stalled | Round::Ended
+                    if (self.seq.expected(), check.is_some()) != before =>
+                {
                     start = self.seq.expected().unwrap_or(from);
+                }
+                // An answer with nothing new that still ends with the marker: nothing is left.
+                Round::Ended => {
+                    if rounds > 1 {
+                        tracing::info!(
+                            endpoint,
+                            from,
+                            rounds,
+                            "KV-event replay resumed and confirmed"
+                        );
+                    }
+                    return Replay::Complete;
                 }
                 Round::Stalled => {
                     tracing::warn!(endpoint, from, next = ?self.seq.expected(), "KV-event replay stalled");
@@ -365,6 +380,9 @@ impl Stream<'_> {
             heard = Some(received);
             match ReplayReply::from_parts(&parts) {
                 Ok(ReplayReply::End) if check.is_some() => return Round::Done(Replay::Incomplete),
+                // Without an end seq, the marker cannot tell the engine's last batch from a tail
+                // the send queue dropped just before it: the caller asks once more.
+                Ok(ReplayReply::End) if until.is_none() => return Round::Ended,
                 Ok(ReplayReply::End) if reached(&self.seq) => return Round::Done(Replay::Complete),
                 // The end marker with frames still missing: some were dropped on the way.
                 Ok(ReplayReply::End) => return Round::Stalled,
@@ -406,6 +424,10 @@ enum Round {
     Done(Replay),
     /// The answer stopped short (a hole, or silence): ask again for the rest.
     Stalled,
+    /// The end marker of an answer to a replay without an end seq. Complete when the answer
+    /// brought nothing new; otherwise the rest is asked for, since a tail the send queue dropped
+    /// leaves no hole before the marker.
+    Ended,
 }
 
 fn subscribe(ctx: &zmq::Context, cfg: &StreamConfig) -> zmq::Result<zmq::Socket> {

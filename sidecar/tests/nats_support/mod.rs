@@ -134,6 +134,13 @@ pub fn start_sim(extra: &[&str]) -> Sim {
 }
 
 impl Sim {
+    /// A sample's value from the simulator's /metrics.
+    pub fn metric(&self, name: &str) -> f64 {
+        let (status, page) = http_request(self.http, "GET", "/metrics", None).unwrap();
+        assert_eq!(status, 200, "{page}");
+        sample(&page, name)
+    }
+
     /// Sends a completion for `tokens` (one output token) and waits for it.
     pub fn complete(&self, tokens: &[u32]) {
         let body = serde_json::json!({"model": "tiny", "prompt": tokens, "max_tokens": 1});
