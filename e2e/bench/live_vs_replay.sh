@@ -16,6 +16,7 @@
 # Environment: CARGO_TARGET_DIR; LVR_TIME_SCALE (default 2), LVR_PRESET (small),
 # LVR_LATENCY_MS (the replay's request latency, default 10), LVR_TOLERANCE (0.25: ±25% on the
 # latency figures, ±5 points on the hit rate), LVR_OUT (default a temporary directory).
+# Exits 1 when a figure is outside the tolerance or a run is missing on one side.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -38,7 +39,7 @@ echo "machine: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg); pr
   -- --workload shared-prefix --drain 60 --quiet >"$out/live.txt"
 "$bench" replay --workload shared-prefix --engines 3 --preset "$preset" --policy "$policies" \
   --qps "$loads" --request-latency-ms "$latency" --out "$out/replay.jsonl" >"$out/replay.txt"
-python3 - "$out" "$tolerance" <<'EOF'
+if python3 - "$out" "$tolerance" <<'EOF'
 import glob, json, os, sys
 out, tol = sys.argv[1], float(sys.argv[2])
 def stats(recs):
@@ -89,5 +90,14 @@ missing = sorted(set(live) ^ set(virtual))
 if missing:
     print(f"runs present on one side only: {missing}")
 print(f"{fails} figure(s) outside the tolerance (±{tol:.0%} latency, ±5 points hit rate)")
+if not (set(live) & set(virtual)):
+    print("no run on both sides: nothing compared")
+    sys.exit(1)
+sys.exit(1 if fails or missing else 0)
 EOF
-echo "records: $out/live/*.jsonl, $out/replay.jsonl"
+then
+  echo "records: $out/live/*.jsonl, $out/replay.jsonl"
+else
+  echo "live and virtual disagree (records: $out/live/*.jsonl, $out/replay.jsonl)" >&2
+  exit 1
+fi
