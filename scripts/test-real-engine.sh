@@ -11,8 +11,8 @@
 #       (idempotent; the first run installs ~8.3 GB in about 5 min)
 #
 # Runs the shared setup (../shared/scripts/real-vllm/setup.sh, which skips finished steps), builds
-# the binaries, then runs the test with KVGATE_REAL_VLLM=1. Without that variable the test prints
-# a SKIPPED line and passes, which is what CI does. Needs ~5 GiB of free memory while vLLM runs.
+# the binaries, then runs the ignored test with KVGATE_REAL_VLLM=1 (CI's ordinary run skips it as
+# ignored). Needs ~5 GiB of free memory while vLLM runs.
 # Environment: KVGATE_SHARED (default ../shared), KVGATE_REAL_VLLM_DIR (default
 # ~/.cache/kvgate-real-vllm), CARGO_TARGET_DIR; KVGATE_EPP_BIN and KVGATE_SIM_BIN use those
 # binaries instead of building them.
@@ -34,4 +34,4 @@ cd "$root"
 [ -n "${KVGATE_EPP_BIN:-}" ] || cargo build "$@" -p kvgate-epp --bin kvgate-epp
 [ -n "${KVGATE_SIM_BIN:-}" ] || cargo build "$@" -p kvgate-e2e --bin kvgate-sim
 KVGATE_REAL_VLLM=1 KVGATE_REAL_VLLM_DIR="$dir" KVGATE_SHARED="$shared" \
-  cargo test "$@" -p kvgate-sidecar --test real_vllm -- --nocapture
+  cargo test "$@" -p kvgate-sidecar --test real_vllm -- --ignored --nocapture

@@ -342,6 +342,67 @@ async fn nats_outage_keeps_the_resident_set_makes_the_pod_unready_and_resyncs_on
     }
 }
 
+/// SIGTERM with NATS up: once the proxy has drained, the sidecar publishes `Cleared` in the same
+/// epoch (the next seq) so routers drop the pod's keys before it goes away, then exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_publishes_cleared_on_nats_then_exits_0() {
+    let nats = Nats::start();
+    let sim = start_sim(&[]);
+    let mut rx = Receiver::connect(&nats.url(), "kvgate.kv.ns.pool.pod-t").await;
+    let mut sidecar = Sidecar::start(
+        &nats.url(),
+        sim.http,
+        &ep(sim.publisher),
+        &ep(sim.replay),
+        "pod-t",
+        &[],
+    );
+    wait_for("NATS connected", Duration::from_secs(10), || {
+        sidecar.metric("kvgate_sidecar_nats_connected") == 1.0
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let p = prompt(30, 2);
+    sim.complete(&p);
+    let want = keys(&p);
+    rx.until("the prompt's keys", Duration::from_secs(10), |e| {
+        contains_all(&support::stored_keys(e), &want)
+    })
+    .await;
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &sidecar.proc.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    rx.until("Cleared", Duration::from_secs(10), |e| {
+        e.iter()
+            .flat_map(|e| &e.events)
+            .any(|ev| matches!(ev, kv_events::KvEvent::Cleared { tier: None }))
+    })
+    .await;
+    let cleared = rx.envelopes.last().unwrap();
+    assert_eq!(
+        cleared.events,
+        vec![kv_events::KvEvent::Cleared { tier: None }]
+    );
+    let first = &rx.envelopes[0];
+    assert!(
+        rx.envelopes
+            .iter()
+            .enumerate()
+            .all(|(i, e)| e.epoch == first.epoch && e.seq == first.seq + i as u64),
+        "one epoch, contiguous seqs"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let exit = loop {
+        if let Some(st) = sidecar.proc.0.try_wait().unwrap() {
+            break st;
+        }
+        assert!(std::time::Instant::now() < deadline, "still running");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(exit.success(), "{exit}");
+}
+
 /// A sidecar restarted beside an engine that has published more batches than its replay socket
 /// can queue (the simulator's replay drops like vLLM's beyond ZMQ's 1,000-message send queue):
 /// the new sidecar rebuilds the same resident set from the replay, asking again where an answer
