@@ -806,3 +806,78 @@ fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
     );
     finish(stack);
 }
+
+/// Streams in flight when the EPP dies run to their end, in both failure modes: the routing
+/// filter sees only the request and a second, always fail-open ext_proc filter shows the
+/// EPP the response while failing open, so losing the EPP cuts nothing. While the EPP lives,
+/// it still sees every response (time to first token, tokens, end) through the observer, and
+/// a rewritten model's response reaches the client under the name it asked for.
+#[test]
+fn streams_in_flight_survive_the_epps_death() {
+    for fail_open in [false, true] {
+        let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stack = start(StackConfig {
+            engines: 1,
+            fail_open,
+            // About 28 ms a token in real time: a 300-token answer streams for ~8 s.
+            preset: "h200-llama70b-fp8".into(),
+            time_scale: 1.0,
+            ..StackConfig::default()
+        });
+        let port = stack.ports().envoy_listen;
+        // The observer reports the response: the request is done, with a first token.
+        let r = send(&stack, &chat("observed", "hi", 4, false), &[]);
+        assert!(r.ok(), "{r:?}");
+        wait_for("the observed response", Duration::from_secs(5), || {
+            epp_metric(&stack, "inference_objective_request_ttft_seconds_count") >= 1.0
+        });
+        let page = stack.epp_metrics().unwrap();
+        let claimed =
+            probe::metric_sum(&page, "kvgate_epp_response_handoffs_total").unwrap_or_default();
+        assert!(claimed >= 1.0, "no ticket handed over:\n{page}");
+        assert_eq!(
+            epp_metric(&stack, "inference_objective_running_requests"),
+            0.0,
+            "the finished request is still counted as running"
+        );
+        // Rewritten to the served model, and back to the client's name by the observer.
+        let mut body = chat("rewrite", "hi", 4, false);
+        body["model"] = "alias".into();
+        let r = send(&stack, &body, &[("x-gateway-model-name-rewrite", "m")]);
+        assert!(r.ok(), "{r:?}");
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(v["model"], "alias", "{r:?}");
+        const TOKENS: u32 = 300;
+        let streams: Vec<_> = (0..3)
+            .map(|i| {
+                let body = chat(&format!("in flight {i}"), "hi", TOKENS, true);
+                std::thread::spawn(move || {
+                    let r = post(port, "/v1/chat/completions", &[], &body);
+                    (r, Instant::now())
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_secs(1));
+        stack.kill(Component::Epp).unwrap();
+        let killed = Instant::now();
+        for (i, s) in streams.into_iter().enumerate() {
+            let (r, ended) = s.join().unwrap();
+            assert!(
+                ended > killed,
+                "stream {i} ended before the EPP was killed: {r:?}"
+            );
+            assert!(r.ok(), "fail_open={fail_open}, stream {i}: {r:?}");
+            assert!(
+                r.body.contains("[DONE]"),
+                "fail_open={fail_open}, stream {i} was cut: {}",
+                r.body.len()
+            );
+            let chunks = r.body.matches("\"content\"").count() as u32;
+            assert!(
+                chunks >= TOKENS,
+                "fail_open={fail_open}, stream {i}: {chunks} chunks"
+            );
+        }
+        finish(stack);
+    }
+}

@@ -64,6 +64,10 @@ struct State {
     nodes: Arc<NodeIds>,
 }
 
+/// Most tickets parked for a response observer at once (each is claimed within milliseconds,
+/// or aborted within two seconds).
+const HANDOFF_CAPACITY: usize = 1 << 16;
+
 /// Runs the EPP until a shutdown signal.
 pub fn run(args: Args) -> Result<(), AppError> {
     args.validate().map_err(config_error)?;
@@ -171,7 +175,11 @@ pub fn run(args: Args) -> Result<(), AppError> {
             None
         }
     };
+    let handoffs = args
+        .response_observer
+        .then(|| Arc::new(crate::extproc::Handoffs::new(HANDOFF_CAPACITY)));
     let metrics_sources = crate::metrics::Sources {
+        handoffs: handoffs.clone(),
         pool: args.pool_name.clone(),
         picker: picker.stats(),
         router: Some(Arc::clone(&picker)),
@@ -213,6 +221,7 @@ pub fn run(args: Args) -> Result<(), AppError> {
     });
     let served = runtime.block_on(crate::server::serve(
         ServerConfig::from_args(&args),
+        handoffs,
         picker,
         readiness,
         cli_support::shutdown_signal(),

@@ -176,6 +176,14 @@ pub struct Args {
     /// its fallbacks, comma-separated). The `envoy.lb` metadata always carries all of them.
     #[arg(long, value_enum, env = "KVGATE_DESTINATION_HEADER", default_value_t = DestinationHeaderArg::Primary)]
     pub destination_header: DestinationHeaderArg,
+    /// The gateway observes responses through a second ext_proc filter in observability mode
+    /// (the local stack's layout; see docs/kubernetes.md): the routing filter sends only the
+    /// request, so the EPP is off the response path and streams in flight survive its loss.
+    /// Each routing stream parks its request's ticket under `x-request-id`; the observer stream
+    /// claims it and reports first byte, usage and end. Tickets nobody claims are aborted within
+    /// two seconds (`kvgate_epp_response_handoffs_total{outcome="expired"}`).
+    #[arg(long, env = "KVGATE_RESPONSE_OBSERVER", default_value_t = false, action = clap::ArgAction::Set)]
+    pub response_observer: bool,
     /// HTTP/2 adaptive flow-control windows on the ext_proc listener (BDP estimation).
     #[arg(long, env = "KVGATE_HTTP2_ADAPTIVE_WINDOW", default_value_t = false, action = clap::ArgAction::Set)]
     pub http2_adaptive_window: bool,

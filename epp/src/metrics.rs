@@ -31,6 +31,8 @@ pub struct Sources {
     pub datastore: Arc<Datastore>,
     /// The picker: per-request (GIE) metrics and the pool's engine load.
     pub router: Option<Arc<Picker>>,
+    /// The response-observer layout's ticket table, when it runs.
+    pub handoffs: Option<Arc<crate::extproc::Handoffs>>,
     /// Kubernetes discovery's watches, when it runs.
     pub kube: Option<Arc<crate::discovery::kubernetes::KubeStats>>,
 }
@@ -274,8 +276,42 @@ pub fn render(s: &Sources) -> String {
     if let Some(kube) = &s.kube {
         kube_metrics(&mut e, kube, &s.pool);
     }
+    if let Some(h) = &s.handoffs {
+        handoff_metrics(&mut e, &h.stats(), &s.pool);
+    }
     out.push_str(&e.finish());
     out
+}
+
+/// The response-observer layout: tickets waiting for their observer, and what became of them.
+#[allow(clippy::cast_precision_loss)]
+fn handoff_metrics(e: &mut telemetry::Exposition, h: &crate::extproc::HandoffStats, pool: &str) {
+    e.single(
+        "kvgate_epp_response_handoffs_parked",
+        telemetry::Kind::Gauge,
+        "Routed requests whose ticket waits for the response observer's stream.",
+        &[("pool", pool)],
+        h.parked as f64,
+    );
+    e.family(
+        "kvgate_epp_response_handoffs_total",
+        telemetry::Kind::Counter,
+        "Tickets handed to the response observer: claimed; expired (nobody claimed it in time); \
+         overflowed or replaced (aborted at once); unmatched (an observer stream found none).",
+    );
+    for (outcome, n) in [
+        ("claimed", h.claimed),
+        ("expired", h.expired),
+        ("overflowed", h.overflowed),
+        ("replaced", h.replaced),
+        ("unmatched", h.unmatched),
+    ] {
+        e.sample(
+            "kvgate_epp_response_handoffs_total",
+            &[("pool", pool), ("outcome", outcome)],
+            n as f64,
+        );
+    }
 }
 
 /// Kubernetes discovery: whether each watch works, how long the view has been stale, failures
@@ -487,6 +523,7 @@ mod tests {
             datastore: Arc::new(Datastore::new()),
             router: None,
             kube: Some(Arc::default()),
+            handoffs: Some(Arc::new(crate::extproc::Handoffs::new(4))),
         };
         let text = render(&s);
         for want in [
@@ -499,6 +536,8 @@ mod tests {
             "kvgate_epp_kube_watch_up{pool=\"p\\\"1\",watch=\"pods\"} 1",
             "kvgate_epp_kube_stale_seconds{pool=\"p\\\"1\"} 0",
             "kvgate_epp_kube_relists_total{pool=\"p\\\"1\",watch=\"pods\",reason=\"periodic\"} 0",
+            "kvgate_epp_response_handoffs_parked{pool=\"p\\\"1\"} 0",
+            "kvgate_epp_response_handoffs_total{pool=\"p\\\"1\",outcome=\"expired\"} 0",
         ] {
             assert!(text.contains(want), "missing {want}\n{text}");
         }
@@ -562,6 +601,7 @@ mod tests {
             datastore,
             router: Some(router),
             kube: None,
+            handoffs: None,
         };
         let text = render(&s);
         // Ready decode endpoints 1 and 2: (2 + 20) + (3 + 30); the unready one is left out.

@@ -470,6 +470,9 @@ impl Stack {
                     // The body limit Envoy's buffer is sized to (render::MAX_BODY_BYTES).
                     "--max-body-bytes",
                     &render::MAX_BODY_BYTES.to_string(),
+                    // Envoy's config has the response observer filter (render.rs).
+                    "--response-observer",
+                    "true",
                 ]);
                 if c.kv_events == KvEventsPath::Nats {
                     args.extend(strings(&["--nats-url", &nats_url]));

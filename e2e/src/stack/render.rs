@@ -187,17 +187,44 @@ static_resources:
                 envoy_grpc: {{ cluster_name: ext_proc, authority: "localhost" }}
                 timeout: 10s
               failure_mode_allow: {fail_open}
+              # The routing filter sees only the request: once the pick is made Envoy closes
+              # its stream, so losing the EPP cannot cut a response in flight.
               processing_mode:
                 request_header_mode: SEND
-                response_header_mode: SEND
+                response_header_mode: SKIP
                 request_body_mode: {request_body}
-                response_body_mode: FULL_DUPLEX_STREAMED
+                response_body_mode: NONE
                 request_trailer_mode: SEND
-                response_trailer_mode: SEND
+                response_trailer_mode: SKIP
               message_timeout: 10s
               metadata_options:
                 forwarding_namespaces: {{ untyped: ["envoy.lb.subset_hint", "envoy.lb"] }}
                 receiving_namespaces: {{ untyped: ["envoy.lb"] }}
+          # The response observer: request headers (for x-request-id) and the response, body
+          # chunks STREAMED (each held until the EPP answers, so one the EPP swaps a rewritten
+          # model name back in is never lost), and always fail-open: if the EPP goes away, the
+          # response goes on without it. The EPP (--response-observer) reports first byte,
+          # usage and end against the ticket the routing stream parked under the request id.
+          - name: kvgate.response_observer
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc: {{ cluster_name: ext_proc, authority: "localhost" }}
+                timeout: 10s
+                initial_metadata:
+                - {{ key: x-kvgate-ext-proc-role, value: response }}
+              failure_mode_allow: true
+              processing_mode:
+                request_header_mode: SEND
+                response_header_mode: SEND
+                request_body_mode: NONE
+                response_body_mode: STREAMED
+                request_trailer_mode: SKIP
+                response_trailer_mode: SEND
+              # A stopped EPP holds a chunk this long before the response goes on without it.
+              message_timeout: 2s
+              metadata_options:
+                forwarding_namespaces: {{ untyped: ["envoy.lb"] }}
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router

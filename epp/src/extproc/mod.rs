@@ -19,9 +19,13 @@
 //!   `x-gateway-destination-endpoint-subset`, the served endpoint from `envoy.lb` /
 //!   `x-gateway-destination-endpoint-served`;
 //! - model rewrite: when the router served the request under another model name, response
-//!   bodies (streamed or buffered) get the client's name back and lose `content-length`.
+//!   bodies (streamed or buffered) get the client's name back and lose `content-length`;
+//! - the response-observer layout ([`Handoffs`]): a routing filter that sends only the request
+//!   parks its ticket under `x-request-id`, and a second filter's stream (gRPC metadata
+//!   `x-kvgate-ext-proc-role: response`, or observability mode) claims it and sees the response.
 
 mod body;
+mod handoff;
 mod headers;
 mod immediate;
 mod metadata;
@@ -31,6 +35,7 @@ mod stream;
 mod usage;
 
 pub use body::MAX_CHUNK_BYTES;
+pub use handoff::{HandoffStats, Handoffs};
 pub use rewrite::ResponseRewriter;
 pub use router::{Decision, Rejection, ResponseEvent, ResponseModel, Router, RoutingInput};
 pub use stream::{BodyMode, ExtProcStream, HeaderEndpoints, StreamConfig, StreamError};

@@ -27,6 +27,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 
 use super::DESTINATION_ENDPOINT_HEADER;
 use super::body::{BodyBuffer, TooLarge, streamed_chunks};
+use super::handoff::Handoffs;
 use super::headers::{RequestHead, find, mutation, set, value_of};
 use super::immediate::Refusal;
 use super::metadata::{destination, served_endpoint, subset_hint};
@@ -212,7 +213,7 @@ enum ResponsePhase {
 
 /// An open ticket and its response progress.
 #[derive(Debug)]
-struct Observer {
+pub(super) struct Observer {
     ticket: Ticket,
     phase: ResponsePhase,
     /// Swaps the served model name back to the client's, when the request was rewritten.
@@ -234,6 +235,11 @@ enum Delivery {
 pub struct ExtProcStream {
     router: Arc<dyn Router>,
     config: Arc<StreamConfig>,
+    /// With the response-observer layout: where routing streams park their tickets and
+    /// observer streams claim them.
+    handoffs: Option<Arc<Handoffs>>,
+    /// This stream is the response observer's: it never routes, it claims a ticket.
+    observes_responses: bool,
     request_body_mode: Option<BodyMode>,
     response_body_mode: Option<BodyMode>,
     subset: Option<Vec<String>>,
@@ -258,12 +264,34 @@ impl ExtProcStream {
         Self {
             router,
             config,
+            handoffs: None,
+            observes_responses: false,
             request_body_mode: None,
             response_body_mode: None,
             subset: None,
             request_id: None,
             request: RequestPhase::AwaitingHeaders,
             response: None,
+        }
+    }
+
+    /// The same stream in the response-observer layout: a routing stream parks its ticket in
+    /// `handoffs` when it picks; the observer's stream (see [`Self::observing_responses`], or
+    /// any stream in observability mode) claims it there.
+    pub fn with_handoffs(self, handoffs: Arc<Handoffs>) -> Self {
+        Self {
+            handoffs: Some(handoffs),
+            ..self
+        }
+    }
+
+    /// The same stream as the response observer's: its request headers are never routed; it
+    /// claims the ticket parked under their request id, answers every message (continuing, or
+    /// swapping a rewritten model's name back in the response body), and reports the response.
+    pub fn observing_responses(self) -> Self {
+        Self {
+            observes_responses: true,
+            ..self
         }
     }
 
@@ -288,6 +316,11 @@ impl ExtProcStream {
         let metadata = msg.metadata_context.as_ref();
         let out = match msg.request {
             None => Ok(Vec::new()),
+            Some(Request::RequestHeaders(h))
+                if self.observes_responses || msg.observability_mode =>
+            {
+                self.on_observed_request_headers(&h)
+            }
             Some(Request::RequestHeaders(h)) => self.on_request_headers(h, metadata),
             Some(Request::RequestBody(b)) => self.on_request_body(b, metadata),
             Some(Request::RequestTrailers(_)) => self.on_request_trailers(),
@@ -348,6 +381,33 @@ impl ExtProcStream {
         if let Some(hint) = subset_hint(metadata) {
             self.subset = Some(hint);
         }
+    }
+
+    /// An observer stream's request headers: never routed; the stream takes over the ticket the
+    /// routing stream parked under the request id, if any, and observes the response for it.
+    /// Answered with a plain continue (dropped in observability mode).
+    fn on_observed_request_headers(
+        &mut self,
+        h: &HttpHeaders,
+    ) -> Result<Vec<ProcessingResponse>, StreamError> {
+        if !matches!(self.request, RequestPhase::AwaitingHeaders) {
+            return Err(self.unexpected("request_headers"));
+        }
+        let head = RequestHead::parse(&h.headers);
+        tracing::Span::current().record("request_id", head.request_id.as_str());
+        self.request = RequestPhase::Forwarded;
+        // A request id the EPP made up here names no parked ticket.
+        if !head.request_id_generated {
+            self.response = self
+                .handoffs
+                .as_ref()
+                .and_then(|h| h.claim(&head.request_id));
+        }
+        if self.response.is_none() {
+            tracing::debug!(request_id = %head.request_id, "observed a response without a parked ticket");
+        }
+        self.request_id = Some(head.request_id);
+        Ok(vec![continue_headers()])
     }
 
     fn on_request_headers(
@@ -545,11 +605,17 @@ impl ExtProcStream {
         let dynamic_metadata = Some(destination(&endpoints));
 
         self.request = RequestPhase::Forwarded;
-        self.response = Some(Observer {
+        let observer = Observer {
             ticket,
             phase: ResponsePhase::AwaitingHeaders,
             rewriter: response_model.map(|m| ResponseRewriter::new(&m.served, &m.client)),
-        });
+        };
+        // In the response-observer layout the response goes to the observer's stream, which
+        // claims the ticket (and the model rewrite) by request id.
+        match &self.handoffs {
+            Some(handoffs) => handoffs.park(&head.request_id, observer),
+            None => self.response = Some(observer),
+        }
 
         match delivery {
             Delivery::Headers => vec![ProcessingResponse {

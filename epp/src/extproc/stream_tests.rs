@@ -1263,3 +1263,273 @@ fn held_back_bytes_are_released_before_response_trailers() {
     assert_eq!(kinds(&out), ["response_body", "response_trailers"]);
     assert_eq!(streamed_chunk(&out[0]).body, b"\"mod");
 }
+
+// ---- The response-observer layout: routing streams park tickets, observer streams claim them.
+
+fn observed(msg: ProcessingRequest) -> ProcessingRequest {
+    ProcessingRequest {
+        observability_mode: true,
+        ..msg
+    }
+}
+
+/// The routing filter of the observer layout: request phases only, responses skipped.
+fn routing_only() -> Option<ProtocolConfiguration> {
+    modes(BodySendMode::FullDuplexStreamed, BodySendMode::None)
+}
+
+/// The observer filter: request headers, then the response streamed, in observability mode.
+fn observer_modes() -> Option<ProtocolConfiguration> {
+    modes(BodySendMode::None, BodySendMode::Streamed)
+}
+
+fn observer_stream(router: &Arc<FakeRouter>, handoffs: &Arc<Handoffs>) -> ExtProcStream {
+    stream(router).with_handoffs(Arc::clone(handoffs))
+}
+
+#[test]
+fn a_routing_stream_parks_its_ticket_and_the_observer_stream_reports_the_response() {
+    let router = FakeRouter::picking(&["10.0.0.1:8000"]);
+    let handoffs = Arc::new(Handoffs::new(16));
+    let mut routing = observer_stream(&router, &handoffs);
+    routing.on_message(post(routing_only())).unwrap();
+    let out = routing.on_message(req_body(b"{}", true)).unwrap();
+    assert_eq!(kinds(&out), ["request_headers", "request_body"]);
+    assert!(!routing.has_open_ticket(), "the ticket is parked, not kept");
+    // The routing stream ends at once (no response phase): nothing is aborted.
+    routing.finish();
+    assert!(router.events().is_empty(), "{:?}", router.events());
+    assert_eq!(handoffs.stats().parked, 1);
+
+    let mut observer = observer_stream(&router, &handoffs);
+    let headers = ProcessingRequest {
+        protocol_config: observer_modes(),
+        ..observed(req_headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/completions"),
+                ("x-request-id", "req-1"),
+            ],
+            false,
+        ))
+    };
+    assert!(observer.on_message(headers).unwrap().is_empty());
+    assert!(observer.has_open_ticket(), "claimed");
+    assert_eq!(router.seen().len(), 1, "an observer stream never routes");
+    let out = observer
+        .on_message(observed(resp_headers(
+            "200",
+            "text/event-stream",
+            false,
+            None,
+        )))
+        .unwrap();
+    assert!(out.is_empty(), "observability mode: no replies");
+    for (i, chunk) in SSE.iter().enumerate() {
+        observer
+            .on_message(observed(resp_body(chunk.as_bytes(), i + 1 == SSE.len())))
+            .unwrap();
+    }
+    observer.finish();
+    let events: Vec<ResponseEvent> = router.events().into_iter().map(|(_, e)| e).collect();
+    assert_eq!(events.len(), 4, "{events:?}");
+    assert_eq!(events[1], ResponseEvent::FirstByte);
+    assert!(matches!(
+        events[2],
+        ResponseEvent::Usage {
+            completion_tokens: 2,
+            ..
+        }
+    ));
+    assert_eq!(events[3], ResponseEvent::End);
+    let stats = handoffs.stats();
+    assert_eq!((stats.parked, stats.claimed, stats.unmatched), (0, 1, 0));
+}
+
+#[test]
+fn an_unclaimed_ticket_is_aborted_by_the_second_sweep() {
+    let router = FakeRouter::picking(&["10.0.0.1:8000"]);
+    let handoffs = Arc::new(Handoffs::new(16));
+    let mut routing = observer_stream(&router, &handoffs);
+    routing.on_message(post(routing_only())).unwrap();
+    routing.on_message(req_body(b"{}", true)).unwrap();
+    routing.finish();
+    assert_eq!(handoffs.sweep(), 0, "parked since the last sweep: kept");
+    assert!(router.events().is_empty());
+    assert_eq!(handoffs.sweep(), 1);
+    assert_eq!(router.events(), [(1, ResponseEvent::Aborted)]);
+    // An observer arriving later finds nothing and reports nothing.
+    let mut observer = observer_stream(&router, &handoffs);
+    observer
+        .on_message(observed(req_headers(&[("x-request-id", "req-1")], true)))
+        .unwrap();
+    assert!(!observer.has_open_ticket());
+    observer.finish();
+    assert_eq!(router.events().len(), 1);
+    let stats = handoffs.stats();
+    assert_eq!((stats.expired, stats.unmatched), (1, 1));
+}
+
+#[test]
+fn the_observer_stream_swaps_a_rewritten_model_back_and_answers_every_message() {
+    let router = FakeRouter::new(|_| {
+        Ok(Decision {
+            endpoints: vec!["10.0.0.1:8000".into()],
+            body: Some(b"{\"model\":\"served\"}".to_vec()),
+            add_headers: Vec::new(),
+            ticket: 0,
+            response_model: Some(ResponseModel {
+                served: "served".into(),
+                client: "alias".into(),
+            }),
+        })
+    });
+    let handoffs = Arc::new(Handoffs::new(16));
+    let mut routing = observer_stream(&router, &handoffs);
+    routing.on_message(post(routing_only())).unwrap();
+    routing
+        .on_message(req_body(b"{\"model\":\"alias\"}", true))
+        .unwrap();
+    assert!(!routing.has_open_ticket());
+    routing.finish();
+    // The observer filter proper (not observability mode): STREAMED response bodies, each
+    // answered before Envoy sends it on.
+    let mut observer = observer_stream(&router, &handoffs).observing_responses();
+    let out = observer
+        .on_message(ProcessingRequest {
+            protocol_config: observer_modes(),
+            ..req_headers(&[("x-request-id", "req-1")], false)
+        })
+        .unwrap();
+    assert_eq!(kinds(&out), ["request_headers"]);
+    assert!(
+        common(&out[0]).header_mutation.is_none(),
+        "a plain continue"
+    );
+    assert_eq!(router.seen().len(), 1, "never routed");
+    let out = observer
+        .on_message(resp_headers("200", "application/json", false, None))
+        .unwrap();
+    assert_eq!(removed_headers(&out[0]), ["content-length"]);
+    let out = observer
+        .on_message(resp_body(b"{\"model\":\"served\"}", true))
+        .unwrap();
+    assert_eq!(kinds(&out), ["response_body"]);
+    match common(&out[0])
+        .body_mutation
+        .as_ref()
+        .and_then(|m| m.mutation.as_ref())
+    {
+        Some(Mutation::Body(b)) => assert_eq!(b, b"{\"model\":\"alias\"}"),
+        other => panic!("expected the chunk replaced, got {other:?}"),
+    }
+    observer.finish();
+    assert_eq!(router.events().last(), Some(&(1, ResponseEvent::End)));
+}
+
+#[test]
+fn without_a_handoff_table_an_observer_stream_neither_routes_nor_reports() {
+    let router = FakeRouter::picking(&["10.0.0.1:8000"]);
+    let mut observer = stream(&router);
+    observer
+        .on_message(observed(req_headers(&[("x-request-id", "r")], false)))
+        .unwrap();
+    observer
+        .on_message(observed(resp_headers(
+            "200",
+            "application/json",
+            true,
+            None,
+        )))
+        .unwrap();
+    observer.finish();
+    assert!(router.seen().is_empty() && router.events().is_empty());
+}
+
+/// One operation on the handoff table.
+#[derive(Debug, Clone)]
+enum HandoffOp {
+    Park(u8),
+    Claim(u8),
+    Sweep,
+}
+
+fn handoff_op() -> impl Strategy<Value = HandoffOp> {
+    prop_oneof![
+        (0u8..6).prop_map(HandoffOp::Park),
+        (0u8..6).prop_map(HandoffOp::Claim),
+        Just(HandoffOp::Sweep),
+    ]
+}
+
+proptest! {
+    /// The table against a naive model (a list of (id, ticket, sweeps when parked)): claims
+    /// find exactly what the model holds, sweeps abort what was parked before the previous
+    /// sweep, a full table or a reused id aborts at once, and every ticket ends exactly once
+    /// (claimed tickets are closed by their observer here).
+    #[test]
+    fn handoffs_match_a_naive_model(ops in proptest::collection::vec(handoff_op(), 1..80)) {
+        const CAPACITY: usize = 4;
+        let router = FakeRouter::picking(&["10.0.0.1:8000"]);
+        let handoffs = Arc::new(Handoffs::new(CAPACITY));
+        let mut model: Vec<(u8, u64, u64)> = Vec::new();
+        let mut sweeps = 0u64;
+        let mut tickets = 0u64;
+        let mut aborted_by_model = std::collections::BTreeSet::new();
+        for op in ops {
+            match op {
+                HandoffOp::Park(id) => {
+                    tickets += 1;
+                    let mut routing = observer_stream(&router, &handoffs);
+                    let rid = format!("r{id}");
+                    routing.on_message(ProcessingRequest {
+                        protocol_config: routing_only(),
+                        ..req_headers(&[(":method", "GET"), ("x-request-id", &rid)], true)
+                    }).unwrap();
+                    routing.finish();
+                    if let Some(pos) = model.iter().position(|(m, _, _)| *m == id) {
+                        aborted_by_model.insert(model.remove(pos).1);
+                        model.push((id, tickets, sweeps));
+                    } else if model.len() >= CAPACITY {
+                        aborted_by_model.insert(tickets);
+                    } else {
+                        model.push((id, tickets, sweeps));
+                    }
+                }
+                HandoffOp::Claim(id) => {
+                    let mut observer = observer_stream(&router, &handoffs);
+                    observer.on_message(observed(req_headers(&[("x-request-id", &format!("r{id}"))], true))).unwrap();
+                    let want = model.iter().position(|(m, _, _)| *m == id).map(|p| model.remove(p));
+                    prop_assert_eq!(observer.has_open_ticket(), want.is_some());
+                    if let Some((_, ticket, _)) = want {
+                        // A header-only response: the observer closes it with End.
+                        observer.on_message(observed(resp_headers("200", "application/json", true, None))).unwrap();
+                        prop_assert_eq!(router.events().last().cloned(), Some((ticket, ResponseEvent::End)));
+                    }
+                    observer.finish();
+                }
+                HandoffOp::Sweep => {
+                    let cutoff = sweeps;
+                    sweeps += 1;
+                    let (stale, kept): (Vec<_>, Vec<_>) = model.iter().partition(|(_, _, s)| *s < cutoff);
+                    prop_assert_eq!(handoffs.sweep(), stale.len());
+                    aborted_by_model.extend(stale.iter().map(|(_, t, _)| *t));
+                    model = kept;
+                }
+            }
+            prop_assert_eq!(handoffs.stats().parked, model.len() as u64);
+        }
+        let events = router.events();
+        let aborted: std::collections::BTreeSet<u64> = events
+            .iter()
+            .filter(|(_, e)| *e == ResponseEvent::Aborted)
+            .map(|(t, _)| *t)
+            .collect();
+        prop_assert_eq!(aborted, aborted_by_model);
+        let terminal = events.iter().filter(|(_, e)| e.is_terminal()).count();
+        let terminal_tickets: std::collections::BTreeSet<u64> =
+            events.iter().filter(|(_, e)| e.is_terminal()).map(|(t, _)| *t).collect();
+        prop_assert_eq!(terminal, terminal_tickets.len(), "a ticket ended twice");
+        prop_assert_eq!(terminal + model.len(), tickets as usize);
+    }
+}

@@ -19,7 +19,13 @@ use futures::Stream;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::extproc::{ExtProcStream, Router, StreamConfig};
+use crate::extproc::{ExtProcStream, Handoffs, Router, StreamConfig};
+
+/// gRPC metadata the gateway's response-observer filter sends (`grpc_service.initial_metadata`)
+/// so the EPP knows that stream is the observer's, with the value [`RESPONSE_ROLE`].
+pub const ROLE_METADATA: &str = "x-kvgate-ext-proc-role";
+/// [`ROLE_METADATA`]'s value on the response observer's streams.
+pub const RESPONSE_ROLE: &str = "response";
 
 /// Room above the body limit for a message's headers and framing.
 const MESSAGE_OVERHEAD: usize = 1 << 20;
@@ -29,6 +35,8 @@ const MESSAGE_OVERHEAD: usize = 1 << 20;
 pub struct ExtProcService {
     router: Arc<dyn Router>,
     config: Arc<StreamConfig>,
+    /// The response-observer layout's ticket table, when the gateway runs it.
+    handoffs: Option<Arc<Handoffs>>,
     /// Turns true when open streams must end now (the drain timeout passed).
     cut: watch::Receiver<bool>,
 }
@@ -47,8 +55,14 @@ impl ExtProcService {
         Self {
             router,
             config: Arc::new(config),
+            handoffs: None,
             cut: watch::channel(false).1,
         }
+    }
+
+    /// The same service in the response-observer layout when `handoffs` is given.
+    pub fn with_handoffs(self, handoffs: Option<Arc<Handoffs>>) -> Self {
+        Self { handoffs, ..self }
     }
 
     /// The same service, whose open streams end when `cut` turns true.
@@ -71,7 +85,14 @@ impl ExternalProcessor for ExtProcService {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let state = ExtProcStream::new(Arc::clone(&self.router), Arc::clone(&self.config));
+        let mut state = ExtProcStream::new(Arc::clone(&self.router), Arc::clone(&self.config));
+        if let Some(h) = &self.handoffs {
+            state = state.with_handoffs(Arc::clone(h));
+        }
+        let role = request.metadata().get(ROLE_METADATA);
+        if role.is_some_and(|r| r.as_bytes() == RESPONSE_ROLE.as_bytes()) {
+            state = state.observing_responses();
+        }
         let span = tracing::info_span!(
             "ext_proc",
             request_id = tracing::field::Empty,

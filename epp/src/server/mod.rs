@@ -20,13 +20,13 @@ use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Server, ServerTlsConfig};
 
-pub use ext_proc::ExtProcService;
+pub use ext_proc::{ExtProcService, RESPONSE_ROLE, ROLE_METADATA};
 pub use health::{
     EXT_PROC_SERVICE, INFERENCE_EXTENSION_SERVICE, LIVENESS_SERVICE, READINESS_SERVICE, Readiness,
 };
 pub use tls::{TlsError, TlsMaterial};
 
-use crate::extproc::{HeaderEndpoints, Router, StreamConfig};
+use crate::extproc::{Handoffs, HeaderEndpoints, Router, StreamConfig};
 
 /// After cutting streams, how long connections get to close before serving returns anyway.
 const CUT_GRACE: Duration = Duration::from_secs(1);
@@ -49,6 +49,10 @@ pub enum TlsMode {
         key: PathBuf,
     },
 }
+
+/// How often parked tickets are swept (one unclaimed is aborted by the second sweep after it
+/// was parked).
+const HANDOFF_SWEEP: Duration = Duration::from_secs(1);
 
 /// Everything the servers need.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -153,6 +157,7 @@ pub struct Bound {
     health: TcpListener,
     tls: Option<TlsMaterial>,
     config: ServerConfig,
+    handoffs: Option<Arc<Handoffs>>,
 }
 
 /// Prepares TLS, then binds both listeners.
@@ -180,20 +185,37 @@ pub async fn bind(config: ServerConfig) -> Result<Bound, ServeError> {
         health,
         tls,
         config,
+        handoffs: None,
     })
 }
 
-/// Binds and serves until `shutdown` resolves, then drains (see [`Bound::serve`]).
+/// Binds and serves until `shutdown` resolves, then drains (see [`Bound::serve`]); with
+/// `handoffs`, in the response-observer layout (see [`Bound::with_handoffs`]).
 pub async fn serve(
     config: ServerConfig,
+    handoffs: Option<Arc<Handoffs>>,
     router: Arc<dyn Router>,
     readiness: Readiness,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    bind(config).await?.serve(router, readiness, shutdown).await
+    let mut bound = bind(config).await?;
+    if let Some(h) = handoffs {
+        bound = bound.with_handoffs(h);
+    }
+    bound.serve(router, readiness, shutdown).await
 }
 
 impl Bound {
+    /// Serves the response-observer layout: routing streams park their tickets in `handoffs`,
+    /// observability-mode streams claim them, and what nobody claims is aborted by a sweep once
+    /// a second (so within two seconds).
+    pub fn with_handoffs(self, handoffs: Arc<Handoffs>) -> Self {
+        Self {
+            handoffs: Some(handoffs),
+            ..self
+        }
+    }
+
     /// The ext_proc address actually bound.
     pub fn ext_proc_addr(&self) -> Option<SocketAddr> {
         self.ext_proc.local_addr().ok()
@@ -223,7 +245,18 @@ impl Bound {
             health,
             tls,
             config,
+            handoffs,
         } = self;
+        let sweeper = handoffs.clone().map(|h| {
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(HANDOFF_SWEEP);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    h.sweep();
+                }
+            })
+        });
         let (stop_tx, stop_rx) = watch::channel(false);
         let (cut_tx, cut_rx) = watch::channel(false);
         let stopped = |mut rx: watch::Receiver<bool>| async move {
@@ -247,6 +280,7 @@ impl Bound {
         let ext_proc_server = builder
             .add_service(
                 ExtProcService::new(router, config.stream.clone())
+                    .with_handoffs(handoffs)
                     .with_cut(cut_rx)
                     .into_server(),
             )
@@ -266,6 +300,9 @@ impl Bound {
         tokio::select! {
             result = &mut servers => {
                 health_follow.abort();
+                if let Some(s) = &sweeper {
+                    s.abort();
+                }
                 return result.map(|_| ()).map_err(ServeError::Transport);
             }
             () = shutdown => {}
@@ -284,6 +321,9 @@ impl Bound {
             }
         };
         health_follow.abort();
+        if let Some(s) = &sweeper {
+            s.abort();
+        }
         result
     }
 }
