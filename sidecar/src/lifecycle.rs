@@ -112,6 +112,7 @@ pub async fn run(
             connector: p.kv_connector,
             bootstrap_port: p.sglang_bootstrap_port,
             max_body: p.proxy_max_body_bytes,
+            migrate_max_attempts: p.migrate_max_attempts,
             metrics: metrics.clone(),
         });
         let addr = SocketAddr::new(any, port);

@@ -441,6 +441,10 @@ impl Stack {
                     "2",
                     "--dp-size",
                     &c.dp_ranks.max(1).to_string(),
+                    // The pool's endpoints: the only addresses a sidecar may send a prefill leg
+                    // or a migrated stream's rest to (SSRF protection).
+                    "--prefiller-allow-list",
+                    &path("endpoints.yaml"),
                 ]);
                 (self.bins.sidecar.clone(), args, rust_env)
             }

@@ -20,6 +20,10 @@ use crate::discovery::Datastore;
 use crate::extproc::{Decision, Rejection, ResponseEvent, ResponseModel, Router, RoutingInput};
 use crate::load::health::HealthBook;
 
+/// Request header carrying the pick's fallback endpoints (`ip:port`, comma-separated) to the
+/// model server's sidecar, which migrates a failing stream to them.
+pub const FALLBACK_HEADER: &str = "x-kvgate-fallback-endpoints";
+
 /// Headers naming the request's InferenceObjective, in the order they are read: llm-d's current
 /// spelling first, then GIE's.
 pub const OBJECTIVE_HEADERS: [&str; 2] = [
@@ -486,6 +490,11 @@ impl Router for Picker {
             .endpoints()
             .map(|p| p.address.to_string())
             .collect();
+        // The fallbacks, for the sidecar: where to migrate a streamed answer whose engine fails
+        // mid-way (clients cannot set it: `x-kvgate-*` headers are stripped).
+        if let Some(fallbacks) = endpoints.get(1..).filter(|f| !f.is_empty()) {
+            add_headers.push((FALLBACK_HEADER.to_owned(), fallbacks.join(",")));
+        }
         let took = started.elapsed();
         s.decision_nanos.fetch_add(
             u64::try_from(took.as_nanos()).unwrap_or(u64::MAX),
@@ -624,6 +633,12 @@ mod tests {
             br#"{"model":"m","prompt":"the same long shared prefix, the same long shared prefix"}"#;
         let d = p.route(input("/v1/completions", Some(body), None)).unwrap();
         assert_eq!(d.endpoints.len(), 3, "primary + fallbacks");
+        let fallbacks = d.add_headers.iter().find(|(k, _)| k == FALLBACK_HEADER);
+        assert_eq!(
+            fallbacks.map(|(_, v)| v.clone()),
+            Some(d.endpoints[1..].join(",")),
+            "the sidecar learns where to migrate"
+        );
         assert_eq!(p.open_tickets(), 1);
         p.on_response(d.ticket, ResponseEvent::FirstByte);
         p.on_response(d.ticket, ResponseEvent::End);

@@ -52,6 +52,11 @@ pub struct ProxyArgs {
     /// `--disaggregation-bootstrap-port`; one port for every prefiller of the pool).
     #[arg(long, env = "SGLANG_BOOTSTRAP_PORT", default_value_t = DEFAULT_BOOTSTRAP_PORT)]
     pub sglang_bootstrap_port: u16,
+    /// Mid-stream migration: when the engine fails during a streamed answer, this many attempts
+    /// to have another pool endpoint (from the EPP's fallback list, allowed by SSRF protection)
+    /// generate the rest into the same stream. 0 turns migration off.
+    #[arg(long, env = "KVGATE_MIGRATE_MAX_ATTEMPTS", default_value_t = 2)]
+    pub migrate_max_attempts: u32,
     /// Health, readiness and drain.
     #[command(flatten)]
     pub health: HealthArgs,

@@ -16,6 +16,7 @@ use super::connector::Connector;
 use super::error::ProxyError;
 use super::headers::{PREFILLER_HEADER, Prefiller, prefiller, strip_hop_by_hop};
 use super::metrics::{InFlight, Mode, ProxyMetrics};
+use super::migration;
 use super::prefill::{self, Nixl, PrefillConfig, Prefilled};
 use super::rewrite::{self, Api};
 use super::ssrf::SsrfPolicy;
@@ -38,6 +39,8 @@ pub struct ProxyState {
     pub bootstrap_port: u16,
     /// Largest request body accepted.
     pub max_body: usize,
+    /// Mid-stream migration attempts per request (0: off).
+    pub migrate_max_attempts: u32,
     /// Counters.
     pub metrics: Arc<ProxyMetrics>,
 }
@@ -165,12 +168,21 @@ pub(super) fn refused(status: axum::http::StatusCode, body: Bytes) -> Response<B
 }
 
 async fn passthrough(
-    state: &ProxyState,
+    state: &Arc<ProxyState>,
     req: Request<Body>,
     started: Instant,
     guard: InFlight,
 ) -> Result<Response<Body>, ProxyError> {
     let (mut parts, body) = req.into_parts();
+    let targets = if state.migrate_max_attempts > 0 {
+        migration::targets(&parts.headers, &state.ssrf)
+    } else {
+        Vec::new()
+    };
+    parts.headers.remove(migration::FALLBACK_HEADER);
+    if let (false, Some(api)) = (targets.is_empty(), Api::from_path(parts.uri.path())) {
+        return migrating(state, parts, body, api, targets, started, guard).await;
+    }
     let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
@@ -248,4 +260,68 @@ async fn pd(
         .insert(header::CONTENT_LENGTH, HeaderValue::from(decode.len()));
     let req = Request::from_parts(parts, Body::from(decode));
     to_engine(state, Mode::Pd, req, started, waited, guard).await
+}
+
+/// A generation request with fallback endpoints: its body is read (bounded) so that, when it
+/// is a streamed answer that can be carried over, an engine failing mid-stream can be replaced
+/// ([`migration`]); anything else goes to the engine as it came.
+async fn migrating(
+    state: &Arc<ProxyState>,
+    mut parts: axum::http::request::Parts,
+    body: Body,
+    api: Api,
+    targets: Vec<std::net::SocketAddr>,
+    started: Instant,
+    guard: InFlight,
+) -> Result<Response<Body>, ProxyError> {
+    let bytes = collect(body, state.max_body).await?;
+    let plan = rewrite::parse_request(&bytes)
+        .ok()
+        .filter(|req| super::migrate::migratable(api, req).is_ok());
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path().to_owned(), |pq| pq.as_str().to_owned());
+    parts.uri = engine_uri(state, &parts.uri)?;
+    strip_hop_by_hop(&mut parts.headers);
+    parts.headers.remove(PREFILLER_HEADER);
+    let headers = parts.headers.clone();
+    let req = Request::from_parts(parts, Body::from(bytes));
+    let Some(original) = plan else {
+        return to_engine(
+            state,
+            Mode::Passthrough,
+            req,
+            started,
+            Duration::ZERO,
+            guard,
+        )
+        .await;
+    };
+    let sent = Instant::now();
+    let resp = state
+        .client
+        .request(req)
+        .await
+        .map_err(|e| engine_error(state, &e))?;
+    state.metrics.added_latency(
+        Mode::Passthrough,
+        started.elapsed().saturating_sub(sent.elapsed()),
+    );
+    let streamed = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    if resp.status() != axum::http::StatusCode::OK || !streamed {
+        return Ok(relay(resp, guard));
+    }
+    let plan = migration::Migratable {
+        api,
+        original,
+        path,
+        headers,
+        targets,
+    };
+    Ok(migration::relay(state, resp, plan, guard))
 }

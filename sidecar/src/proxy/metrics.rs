@@ -70,11 +70,46 @@ pub struct ProxyMetrics {
     prefill_attempts: AtomicU64,
     prefill_failures: [AtomicU64; Failure::ALL.len()],
     ssrf_refusals: AtomicU64,
+    migrations: [AtomicU64; MigrationOutcome::ALL.len()],
+    migration_attempts: AtomicU64,
     in_flight: AtomicI64,
     drain_seconds_bits: AtomicU64,
     drain_started: std::sync::OnceLock<std::time::Instant>,
     allow_list: Option<Arc<LiveAllowList>>,
     connector: Connector,
+}
+
+/// How a mid-stream engine failure ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MigrationOutcome {
+    /// Another endpoint generated the rest into the same stream.
+    Migrated,
+    /// Every attempt failed.
+    Failed,
+    /// No fallback endpoint that SSRF protection allows.
+    NoTarget,
+    /// The answer could not be carried over (see `migrate`).
+    NotMigratable,
+}
+
+impl MigrationOutcome {
+    /// Every outcome, in label order.
+    pub const ALL: [Self; 4] = [
+        Self::Migrated,
+        Self::Failed,
+        Self::NoTarget,
+        Self::NotMigratable,
+    ];
+
+    /// Bounded label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Migrated => "migrated",
+            Self::Failed => "failed",
+            Self::NoTarget => "no_target",
+            Self::NotMigratable => "not_migratable",
+        }
+    }
 }
 
 /// Decrements the in-flight gauge when the response (body included) is done.
@@ -137,6 +172,18 @@ impl ProxyMetrics {
         if let Some(c) = self.prefill_failures.get(f.index()) {
             c.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Counts how a mid-stream engine failure ended.
+    pub fn migration(&self, outcome: MigrationOutcome) {
+        if let Some(c) = self.migrations.get(outcome as usize) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts one continuation request sent to another endpoint.
+    pub fn migration_attempt(&self) {
+        self.migration_attempts.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a request refused by SSRF protection.
@@ -257,6 +304,21 @@ impl ProxyMetrics {
             let v = c.load(Ordering::Relaxed);
             let _ = writeln!(out, "{n}{{reason=\"{}\"}} {v}", f.label());
         }
+        let n = "kvgate_sidecar_proxy_migrations_total";
+        let _ = writeln!(
+            out,
+            "# HELP {n} Streamed answers whose engine failed mid-way, by outcome: migrated (the rest came from another endpoint), failed (every attempt failed), no_target (no allowed fallback endpoint), not_migratable (the answer could not be carried over).\n# TYPE {n} counter"
+        );
+        for (o, c) in MigrationOutcome::ALL.iter().zip(&self.migrations) {
+            let v = c.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{n}{{outcome=\"{}\"}} {v}", o.label());
+        }
+        let n = "kvgate_sidecar_proxy_migration_attempts_total";
+        let _ = writeln!(
+            out,
+            "# HELP {n} Continuation requests sent to other endpoints.\n# TYPE {n} counter\n{n} {}",
+            self.migration_attempts.load(Ordering::Relaxed)
+        );
     }
 }
 

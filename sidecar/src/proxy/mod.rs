@@ -15,8 +15,12 @@
 //!
 //! Prefillers outside the allow-list are never contacted ([`ssrf`]).
 //!
-//! Pure parts: [`rewrite`], [`bootstrap`], [`dual`], [`headers`], [`allowlist`], [`retry`]; I/O:
-//! [`handler`], [`prefill`], [`sglang`], [`server`], [`ssrf::watch`].
+//! A streamed answer whose engine fails mid-way is finished by one of the EPP's fallback
+//! endpoints and spliced into the same response ([`migrate`], [`migration`]).
+//!
+//! Pure parts: [`rewrite`], [`bootstrap`], [`dual`], [`headers`], [`allowlist`], [`retry`],
+//! [`migrate`]; I/O: [`handler`], [`prefill`], [`sglang`], [`migration`], [`server`],
+//! [`ssrf::watch`].
 
 pub mod allowlist;
 mod args;
@@ -28,6 +32,8 @@ pub mod error;
 pub mod handler;
 pub mod headers;
 pub mod metrics;
+pub mod migrate;
+pub mod migration;
 pub mod prefill;
 pub mod retry;
 pub mod rewrite;
