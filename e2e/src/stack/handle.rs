@@ -209,6 +209,39 @@ impl Stack {
         self.restart(Component::Epp)
     }
 
+    /// Crashes a component (SIGKILL) but keeps watching it, as a supervisor would see a crash:
+    /// [`Self::supervise`] restarts it, [`Self::check`] reports it.
+    pub fn crash(&mut self, component: Component) -> Result<(), StackError> {
+        let proc = self
+            .procs
+            .get(&component)
+            .ok_or(StackError::NoSuchComponent(component))?;
+        tracing::info!(%component, "crashing (SIGKILL)");
+        proc.signal_kill();
+        Ok(())
+    }
+
+    /// Restarts every component that exited on its own since the last call (on its ports, with
+    /// its arguments, waiting until it is ready) and returns them; a restart that fails is an
+    /// error naming the component and its log.
+    pub fn supervise(&mut self) -> Result<Vec<Component>, StackError> {
+        let died: Vec<(Component, std::process::ExitStatus)> = self
+            .procs
+            .iter_mut()
+            .filter_map(|(c, p)| p.exited().map(|status| (*c, status)))
+            .collect();
+        let mut restarted = Vec::with_capacity(died.len());
+        for (component, status) in died {
+            self.procs.remove(&component);
+            tracing::warn!(%component, %status, "component died; restarting it");
+            let started = std::time::Instant::now();
+            self.start_component(component)?;
+            tracing::info!(%component, took_ms = started.elapsed().as_millis() as u64, "restarted");
+            restarted.push(component);
+        }
+        Ok(restarted)
+    }
+
     /// The first component that exited on its own since the last call, as an error naming it
     /// and its log; it is no longer tracked afterwards.
     pub fn check(&mut self) -> Result<(), StackError> {

@@ -155,6 +155,12 @@ impl Proc {
         self.child.wait().ok()
     }
 
+    /// Sends SIGKILL without waiting: the process stays tracked, so whoever watches it sees it
+    /// die as a crash.
+    pub fn signal_kill(&self) {
+        let _ = kill_process(Pid::from_child(&self.child), Signal::KILL);
+    }
+
     /// SIGSTOP or SIGCONT: freeze the process without closing its sockets, or thaw it.
     pub fn freeze(&self, frozen: bool) -> std::io::Result<()> {
         let signal = if frozen { Signal::STOP } else { Signal::CONT };

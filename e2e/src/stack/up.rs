@@ -101,6 +101,10 @@ pub struct UpArgs {
     /// paths; prints a kubeconfig for kubectl.
     #[arg(long)]
     pub kube: bool,
+    /// Restart a component that dies (on its ports, with its arguments) instead of stopping the
+    /// stack; a restart that fails still stops it. Local stack only.
+    #[arg(long)]
+    pub supervise: bool,
     /// EPP replicas in Kubernetes mode (active-active).
     #[arg(long, default_value_t = 1)]
     pub epp_replicas: usize,
@@ -234,7 +238,11 @@ pub fn run(args: &UpArgs) -> Result<(), StackError> {
         loop {
             tokio::select! {
                 () = &mut signal => return Ok(()),
-                _ = tick.tick() => stack.check()?,
+                _ = tick.tick() => if args.supervise {
+                    stack.supervise()?;
+                } else {
+                    stack.check()?;
+                },
             }
         }
     });

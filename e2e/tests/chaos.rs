@@ -1,0 +1,229 @@
+//! The chaos tier, fast version: a steady streaming load through the local stack (Envoy failing
+//! open, the EPP, three engines behind their sidecars, NATS, the block manager) while one
+//! component at a time is crashed (SIGKILL) and restarted by the stack's supervisor, as
+//! `kvgate-bench up --supervise` does.
+//!
+//! Asserted per crash: no failed request, except those in flight on a crashed sidecar (its
+//! streams die with it); the supervisor has the component back within 10 s; and within a few
+//! seconds of that the prefix hit rate is back within 2 points of the baseline (at least one
+//! window per crash). The figures are printed (`--no-capture`) for docs/benchmarks.md.
+//!
+//! Longer version: `CHAOS_WINDOW_S=20 cargo test -p kvgate-e2e --test chaos -- --nocapture`.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use kvgate_e2e::stack::{Component, KvbmConfig, Stack, StackConfig};
+use support::gateway::{Reply, post};
+
+/// One request's outcome.
+struct Record {
+    /// The phase when it was sent and when it ended.
+    phases: (usize, usize),
+    reply: Reply,
+    prompt: u64,
+    cached: u64,
+}
+
+/// `usage` of a streamed answer (the last event carrying it).
+fn usage(body: &str) -> (u64, u64) {
+    body.lines()
+        .rev()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|v| {
+            let u = v.get("usage")?.as_object()?.clone();
+            Some((
+                u.get("prompt_tokens")?.as_u64()?,
+                u.get("prompt_tokens_details")
+                    .and_then(|d| d.get("cached_tokens"))
+                    .and_then(serde_json::Value::as_u64)
+                    .unwrap_or(0),
+            ))
+        })
+        .next()
+        .unwrap_or((0, 0))
+}
+
+fn window() -> Duration {
+    let s = std::env::var("CHAOS_WINDOW_S")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4);
+    Duration::from_secs(s)
+}
+
+/// Hit rate (%) of the requests sent and ended in `phase`.
+fn hit_rate(records: &[Record], phase: usize) -> (f64, usize) {
+    let done: Vec<&Record> = records
+        .iter()
+        .filter(|r| r.phases == (phase, phase) && r.reply.ok() && r.prompt > 0)
+        .collect();
+    let prompt: u64 = done.iter().map(|r| r.prompt).sum();
+    let cached: u64 = done.iter().map(|r| r.cached).sum();
+    let rate = if prompt == 0 {
+        f64::NAN
+    } else {
+        100.0 * cached as f64 / prompt as f64
+    };
+    (rate, done.len())
+}
+
+#[test]
+fn crashing_each_component_under_load_loses_only_what_it_held() {
+    let mut stack = Stack::start(StackConfig {
+        engines: 3,
+        fail_open: true,
+        log_level: "info".into(),
+        kvbm: Some(KvbmConfig::default()),
+        ..StackConfig::default()
+    })
+    .unwrap_or_else(|e| panic!("stack did not start: {e}"));
+    let port = stack.ports().envoy_listen;
+    let phase = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..6)
+        .map(|t| {
+            let (phase, stop) = (Arc::clone(&phase), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut out = Vec::new();
+                let mut i = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    let group = (t + i) % 4;
+                    let system = format!("Group {group}: ")
+                        + &"You are a careful assistant for the chaos test. ".repeat(40);
+                    let body = serde_json::json!({
+                        "model": "m",
+                        "messages": [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": format!("question {t}-{i}")},
+                        ],
+                        "max_tokens": 32,
+                        "ignore_eos": true,
+                        "stream": true,
+                        "stream_options": {"include_usage": true},
+                    });
+                    let sent = phase.load(Ordering::Relaxed);
+                    let reply = post(port, "/v1/chat/completions", &[], &body);
+                    let (prompt, cached) = usage(&reply.body);
+                    out.push(Record {
+                        phases: (sent, phase.load(Ordering::Relaxed)),
+                        reply,
+                        prompt,
+                        cached,
+                    });
+                    i += 1;
+                }
+                out
+            })
+        })
+        .collect();
+    // Phases: 0 warm-up, 1 baseline, then per crash: the crash and restart (odd), then the
+    // windows after it (even), until the hit rate is back.
+    std::thread::sleep(window());
+    phase.store(1, Ordering::Relaxed);
+    std::thread::sleep(window());
+    let crashes = [
+        Component::Engine(1),
+        Component::Sidecar(1),
+        Component::Nats,
+        Component::Epp,
+        Component::Kvbm,
+    ];
+    let mut next = 2;
+    let mut plan = Vec::new();
+    for component in crashes {
+        let crash_phase = next;
+        phase.store(crash_phase, Ordering::Relaxed);
+        next += 1;
+        let crashed = Instant::now();
+        stack.crash(component).unwrap();
+        let mut restarted = None;
+        while restarted.is_none() {
+            assert!(
+                crashed.elapsed() < Duration::from_secs(30),
+                "{component} was not restarted"
+            );
+            if stack.supervise().unwrap().contains(&component) {
+                restarted = Some(crashed.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let restarted = restarted.unwrap();
+        let mut windows = Vec::new();
+        for _ in 0..3 {
+            phase.store(next, Ordering::Relaxed);
+            windows.push(next);
+            next += 1;
+            std::thread::sleep(window());
+        }
+        plan.push((component, crash_phase, restarted, windows));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let records: Vec<Record> = clients
+        .into_iter()
+        .flat_map(|c| c.join().unwrap())
+        .collect();
+    let (baseline, n) = hit_rate(&records, 1);
+    eprintln!("baseline: hit rate {baseline:.1}% over {n} requests");
+    assert!(
+        n >= 10 && baseline > 50.0,
+        "no usable baseline: {baseline} over {n}"
+    );
+    let mut problems = Vec::new();
+    for (component, crash_phase, restarted, windows) in &plan {
+        // Requests that overlapped the crash and restart.
+        let during: Vec<&Record> = records
+            .iter()
+            .filter(|r| r.phases.0 <= *crash_phase && r.phases.1 >= *crash_phase)
+            .collect();
+        let failed: Vec<&&Record> = during.iter().filter(|r| !r.reply.ok()).collect();
+        let allowed = |r: &Record| *component == Component::Sidecar(1) && r.reply.pod() == "sim-1";
+        let unexpected = failed.iter().filter(|r| !allowed(r)).count();
+        let rates: Vec<(f64, usize)> = windows.iter().map(|w| hit_rate(&records, *w)).collect();
+        let back = rates
+            .iter()
+            .position(|(rate, n)| *n > 0 && *rate >= baseline - 2.0);
+        eprintln!(
+            "{component}: restarted in {} ms; {} requests overlapped, {} failed ({} outside the \
+             crashed component); hit rate by {}-s window after: {}",
+            restarted.as_millis(),
+            during.len(),
+            failed.len(),
+            unexpected,
+            window().as_secs(),
+            rates
+                .iter()
+                .map(|(r, n)| format!("{r:.1}% ({n})"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        if unexpected > 0 {
+            let first = failed.iter().find(|r| !allowed(r)).unwrap();
+            problems.push(format!(
+                "{component}: {unexpected} failed requests, e.g. {:?}",
+                first.reply
+            ));
+        }
+        if *restarted > Duration::from_secs(10) {
+            problems.push(format!("{component}: restarted after {restarted:?}"));
+        }
+        if back.is_none() {
+            problems.push(format!(
+                "{component}: hit rate not back within 2 points of {baseline:.1}%: {rates:?}"
+            ));
+        }
+    }
+    stack.stop();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
