@@ -10,6 +10,7 @@
 #            kube/bin: kapi + etcd (../shared/tools/kapi), helm v4 and kubectl 1.37 (PyPI wheels);
 #            kube/crds: the Prometheus Operator and Istio DestinationRule CRDs from the crates.io
 #            package kopium 0.24.1 (its test data, checksum verified); checkov in its own venv
+#   cargo:   cargo-fuzz (scripts/fuzz.sh, which CI runs), from crates.io with its lock file
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -126,6 +127,14 @@ else
   python3 -m venv "$checkov_venv"
   "$checkov_venv/bin/pip" install -q --disable-pip-version-check checkov==3.3.30
   echo 3.3.30 > "$checkov_venv/.version"
+fi
+
+# cargo-fuzz for scripts/fuzz.sh (CI fuzzes every target briefly after the tests).
+if cargo fuzz --version >/dev/null 2>&1; then
+  say "ok: $(cargo fuzz --version)"
+else
+  say "installing cargo-fuzz (cargo install --locked, about a minute)"
+  cargo install cargo-fuzz --locked --quiet
 fi
 
 say "done"

@@ -10,7 +10,11 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|data: &[u8]| {
     if let Ok(batch) = decode_batch(data) {
         if batch.ts.is_finite() {
-            for format in [WireFormat::VllmArray, WireFormat::VllmMap, WireFormat::Sglang] {
+            for format in [
+                WireFormat::VllmArray,
+                WireFormat::VllmMap,
+                WireFormat::Sglang,
+            ] {
                 let again = encode_batch(&batch, format);
                 assert!(decode_batch(&again).is_ok(), "re-encoded batch must decode");
             }
