@@ -296,7 +296,9 @@ fn request_body(u: &mut Unstructured<'_>) -> Result<Vec<u8>> {
             MAX_CHUNK_BYTES + 1,
             130_000,
         ])?;
-        return Ok(body.iter().cycle().take(len).copied().collect());
+        let mut big = body.repeat(len / body.len() + 1);
+        big.truncate(len);
+        return Ok(big);
     }
     Ok(body)
 }
@@ -517,7 +519,11 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
         };
         let shown = record.body.clone().flatten();
         let forwarded = decision.body.clone().or(shown).unwrap_or_default();
-        let joined: Vec<u8> = request_chunks.iter().flat_map(|(c, _)| c.clone()).collect();
+        let joined = request_chunks
+            .iter()
+            .map(|(c, _)| c.as_slice())
+            .collect::<Vec<_>>()
+            .concat();
         assert_eq!(
             joined, forwarded,
             "re-sent body differs from the forwarded one"

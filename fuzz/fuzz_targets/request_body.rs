@@ -11,7 +11,7 @@
 //! Asserts, besides "no panic":
 //! - whole-prompt keying keys every full block: `prompt_blocks == keys.len() ==
 //!   prompt_tokens / block_size`, `tokenized == prompt_tokens`, and it is deterministic (a
-//!   second run, through the warm segment cache, gives the same keys);
+//!   second run gives the same keys; with the real tokenizer, through its warm segment cache);
 //! - keying that stops early gives a prefix of those keys, and no fewer estimated blocks;
 //! - a parsed body with no floating-point number (whose text need not survive a round trip)
 //!   rewrites to a body that parses to the same request, under the rewrite's model, with the
