@@ -121,6 +121,19 @@ async fn to_engine(
     upstream_before: Duration,
     guard: InFlight,
 ) -> Result<Response<Body>, ProxyError> {
+    let resp = send_to_engine(state, mode, req, started, upstream_before).await?;
+    Ok(relay(resp, guard))
+}
+
+/// Sends a prepared request to the engine and records the time the proxy added before its
+/// response head; the answer is the caller's to relay.
+async fn send_to_engine(
+    state: &ProxyState,
+    mode: Mode,
+    req: Request<Body>,
+    started: Instant,
+    upstream_before: Duration,
+) -> Result<Response<hyper::body::Incoming>, ProxyError> {
     let sent = Instant::now();
     let resp = state
         .client
@@ -131,7 +144,7 @@ async fn to_engine(
     state
         .metrics
         .added_latency(mode, started.elapsed().saturating_sub(waited));
-    Ok(relay(resp, guard))
+    Ok(resp)
 }
 
 /// The error a failed engine request is.
@@ -180,8 +193,23 @@ async fn passthrough(
         Vec::new()
     };
     parts.headers.remove(migration::FALLBACK_HEADER);
-    if let (false, Some(api)) = (targets.is_empty(), Api::from_path(parts.uri.path())) {
-        return migrating(state, parts, body, api, targets, started, guard).await;
+    let migratable = Api::from_path(parts.uri.path()).filter(|_| !targets.is_empty());
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path().to_owned(), |pq| pq.as_str().to_owned());
+    parts.uri = engine_uri(state, &parts.uri)?;
+    strip_hop_by_hop(&mut parts.headers);
+    parts.headers.remove(PREFILLER_HEADER);
+    if let Some(api) = migratable {
+        let plan = migration::Migratable {
+            api,
+            original: rewrite::Request::new(),
+            path,
+            headers: parts.headers.clone(),
+            targets,
+        };
+        return migrating(state, parts, body, plan, started, guard).await;
     }
     let declared = parts
         .headers
@@ -193,9 +221,6 @@ async fn passthrough(
             limit: state.max_body,
         });
     }
-    parts.uri = engine_uri(state, &parts.uri)?;
-    strip_hop_by_hop(&mut parts.headers);
-    parts.headers.remove(PREFILLER_HEADER);
     let req = Request::from_parts(parts, limited(body, state.max_body));
     to_engine(
         state,
@@ -262,32 +287,24 @@ async fn pd(
     to_engine(state, Mode::Pd, req, started, waited, guard).await
 }
 
-/// A generation request with fallback endpoints: its body is read (bounded) so that, when it
-/// is a streamed answer that can be carried over, an engine failing mid-stream can be replaced
-/// ([`migration`]); anything else goes to the engine as it came.
+/// A generation request with fallback endpoints (`parts` already aimed at the engine): its body
+/// is read (bounded) so that, when it is a streamed answer that can be carried over, an engine
+/// failing mid-stream can be replaced ([`migration`]); anything else goes to the engine as it
+/// came.
 async fn migrating(
     state: &Arc<ProxyState>,
-    mut parts: axum::http::request::Parts,
+    parts: axum::http::request::Parts,
     body: Body,
-    api: Api,
-    targets: Vec<std::net::SocketAddr>,
+    mut plan: migration::Migratable,
     started: Instant,
     guard: InFlight,
 ) -> Result<Response<Body>, ProxyError> {
     let bytes = collect(body, state.max_body).await?;
-    let plan = rewrite::parse_request(&bytes)
+    let original = rewrite::parse_request(&bytes)
         .ok()
-        .filter(|req| super::migrate::migratable(api, req).is_ok());
-    let path = parts
-        .uri
-        .path_and_query()
-        .map_or_else(|| parts.uri.path().to_owned(), |pq| pq.as_str().to_owned());
-    parts.uri = engine_uri(state, &parts.uri)?;
-    strip_hop_by_hop(&mut parts.headers);
-    parts.headers.remove(PREFILLER_HEADER);
-    let headers = parts.headers.clone();
+        .filter(|req| super::migrate::migratable(plan.api, req).is_ok());
     let req = Request::from_parts(parts, Body::from(bytes));
-    let Some(original) = plan else {
+    let Some(original) = original else {
         return to_engine(
             state,
             Mode::Passthrough,
@@ -298,16 +315,7 @@ async fn migrating(
         )
         .await;
     };
-    let sent = Instant::now();
-    let resp = state
-        .client
-        .request(req)
-        .await
-        .map_err(|e| engine_error(state, &e))?;
-    state.metrics.added_latency(
-        Mode::Passthrough,
-        started.elapsed().saturating_sub(sent.elapsed()),
-    );
+    let resp = send_to_engine(state, Mode::Passthrough, req, started, Duration::ZERO).await?;
     let streamed = resp
         .headers()
         .get(header::CONTENT_TYPE)
@@ -316,12 +324,6 @@ async fn migrating(
     if resp.status() != axum::http::StatusCode::OK || !streamed {
         return Ok(relay(resp, guard));
     }
-    let plan = migration::Migratable {
-        api,
-        original,
-        path,
-        headers,
-        targets,
-    };
+    plan.original = original;
     Ok(migration::relay(state, resp, plan, guard))
 }
