@@ -311,13 +311,7 @@ fn a_catch_up_replay_longer_than_the_send_queue_is_resumed_until_complete() {
         payload[1..9].copy_from_slice(&seq.to_be_bytes());
         engine.publish(seq, &payload);
     }
-    let rec = Recorder::default();
-    let stop = Arc::new(AtomicBool::new(false));
-    let subscriber = {
-        let (ctx, mut sink, stop) = (ctx.clone(), rec.clone(), Arc::clone(&stop));
-        let cfg = StreamConfig::new(pub_ep, Some(replay_ep), StartFrom::ReplayNow);
-        thread::spawn(move || engine_zmq::run(&ctx, &cfg, &stop, &mut sink).unwrap())
-    };
+    let (rec, stop, subscriber) = catch_up(&ctx, pub_ep, replay_ep);
     let deadline = Instant::now() + Duration::from_secs(60);
     while (frames_of(&rec.calls(), 1).len() as u64) < KEPT && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(50));
@@ -358,13 +352,7 @@ fn a_catch_up_replay_whose_tail_was_dropped_before_the_end_marker_is_completed()
         engine.publish(seq, &[1, seq as u8]);
     }
     engine.drop_tail.store(DROPPED, Ordering::Relaxed);
-    let rec = Recorder::default();
-    let stop = Arc::new(AtomicBool::new(false));
-    let subscriber = {
-        let (ctx, mut sink, stop) = (ctx.clone(), rec.clone(), Arc::clone(&stop));
-        let cfg = StreamConfig::new(pub_ep, Some(replay_ep), StartFrom::ReplayNow);
-        thread::spawn(move || engine_zmq::run(&ctx, &cfg, &stop, &mut sink).unwrap())
-    };
+    let (rec, stop, subscriber) = catch_up(&ctx, pub_ep, replay_ep);
     let deadline = Instant::now() + Duration::from_secs(20);
     while engine.requests.load(Ordering::Relaxed) < 3 && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(20));
@@ -384,4 +372,21 @@ fn a_catch_up_replay_whose_tail_was_dropped_before_the_end_marker_is_completed()
     assert_eq!(engine.requests.load(Ordering::Relaxed), 3);
     assert!(!calls.contains(&Call::Lost) && !calls.contains(&Call::Gap));
     engine.stop();
+}
+
+/// A subscriber that starts with a catch-up replay (as a starting sidecar does), recording what
+/// it hears; it runs until `stop` is set.
+fn catch_up(
+    ctx: &zmq::Context,
+    pub_ep: String,
+    replay_ep: String,
+) -> (Recorder, Arc<AtomicBool>, thread::JoinHandle<()>) {
+    let rec = Recorder::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let subscriber = {
+        let (ctx, mut sink, stop) = (ctx.clone(), rec.clone(), Arc::clone(&stop));
+        let cfg = StreamConfig::new(pub_ep, Some(replay_ep), StartFrom::ReplayNow);
+        thread::spawn(move || engine_zmq::run(&ctx, &cfg, &stop, &mut sink).unwrap())
+    };
+    (rec, stop, subscriber)
 }
