@@ -107,6 +107,34 @@ fn every_value_set_lints_and_renders_secure_workloads() {
             "everything renders {kind} {name}"
         );
     }
+    // Tracing reaches the EPP and every sidecar as the standard OpenTelemetry variables.
+    let traced: Vec<String> = everything
+        .containers()
+        .into_iter()
+        .filter(|(_, _, c)| {
+            c["env"].as_array().is_some_and(|env| {
+                env.iter().any(|e| {
+                    e["name"] == "OTEL_EXPORTER_OTLP_ENDPOINT"
+                        && e["value"] == "http://otel-collector.observability:4317"
+                }) && env
+                    .iter()
+                    .any(|e| e["name"] == "OTEL_TRACES_SAMPLER_ARG" && e["value"] == "0.25")
+            })
+        })
+        .map(|(_, workload, c)| format!("{workload}/{}", c["name"].as_str().unwrap_or("")))
+        .collect();
+    assert!(
+        traced.iter().any(|w| w.starts_with("kvgate-epp/"))
+            && traced.iter().any(|w| w.ends_with("/kvgate-sidecar")),
+        "traced containers: {traced:?}"
+    );
+    assert!(
+        render(&h, "defaults")
+            .containers()
+            .iter()
+            .all(|(_, _, c)| !c.to_string().contains("OTEL_")),
+        "no tracing by default"
+    );
     let pool = everything.get("InferencePool", "kvgate").unwrap();
     assert_eq!(
         pool["spec"]["endpointPickerRef"],
@@ -186,6 +214,11 @@ fn bad_values_fail_with_a_message_naming_them() {
             "operator: {leaseDurationSeconds: 1}",
             "/operator/leaseDurationSeconds",
         ),
+        (
+            "tracing: {otlpEndpoint: \"otel:4317\"}",
+            "/tracing/otlpEndpoint",
+        ),
+        ("tracing: {sampleRatio: 2}", "/tracing/sampleRatio"),
     ] {
         let err = h
             .template("kvgate", "llm", &[&base, values])

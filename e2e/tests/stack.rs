@@ -886,3 +886,68 @@ fn streams_in_flight_survive_the_epps_death() {
         finish(stack);
     }
 }
+
+#[test]
+fn a_request_is_one_trace_from_the_caller_through_the_epp_and_the_sidecar() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    const TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
+    const CALLER: &str = "b7ad6b7169203331";
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let receiver = runtime.block_on(otel::receiver::Receiver::start()).unwrap();
+    let stack = start(StackConfig {
+        engines: 2,
+        otlp_endpoint: Some(receiver.endpoint()),
+        ..StackConfig::default()
+    });
+    let caller = format!("00-{TRACE}-{CALLER}-01");
+    let mut body = chat("You are terse.", "Trace me through the gateway", 8, true);
+    body["stream_options"] = serde_json::json!({"include_usage": true});
+    let reply = send(
+        &stack,
+        &body,
+        &[("traceparent", &caller), ("x-request-id", "traced-1")],
+    );
+    assert!(reply.status == 200 && reply.complete, "{reply:?}");
+    // Stopping flushes every exporter.
+    finish(stack);
+    let spans = runtime.block_on(receiver.wait_for(Duration::from_secs(10), |s| {
+        s.iter()
+            .any(|s| s.name == "sidecar.proxy" && s.trace_id == TRACE)
+            && s.iter().any(|s| s.name == "decode" && s.trace_id == TRACE)
+    }));
+    let request = spans
+        .iter()
+        .find(|s| s.name == "epp.request" && s.attr("request_id") == Some("traced-1"))
+        .unwrap_or_else(|| panic!("no epp.request span: {spans:#?}"));
+    assert_eq!(request.service, "kvgate-epp");
+    assert_eq!(
+        (request.trace_id.as_str(), request.parent_span_id.as_str()),
+        (TRACE, CALLER)
+    );
+    assert_eq!(request.attr("outcome"), Some("completed"));
+    assert!(
+        request.attr("ttft_ms").is_some() && request.attr("itl_ms").is_some(),
+        "{request:?}"
+    );
+    let proxy = spans
+        .iter()
+        .find(|s| s.name == "sidecar.proxy" && s.parent_span_id == request.span_id)
+        .unwrap_or_else(|| panic!("no sidecar span continues the EPP's: {spans:#?}"));
+    assert_eq!(proxy.service, "kvgate-sidecar");
+    assert_eq!(proxy.trace_id, TRACE);
+    assert_eq!(proxy.attr("request_id"), Some("traced-1"));
+    for stage in [
+        "parse",
+        "tokenize",
+        "pick",
+        "index_lookup",
+        "score",
+        "first_token",
+        "decode",
+    ] {
+        assert!(
+            spans.iter().any(|s| s.name == stage && s.trace_id == TRACE),
+            "no {stage} span in the trace"
+        );
+    }
+}

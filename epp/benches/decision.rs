@@ -19,6 +19,16 @@
 //! Run: `cargo bench -p kvgate-epp --bench decision` (`-- 8k` or `-- 100k` for one size,
 //! `-- breakdown` for the stages of a warm 8k decision timed alone, `-- profile` for 1,000 warm
 //! 8k decisions to attach a profiler to).
+//!
+//! Tracing (`KVGATE_BENCH_TRACE`): unset, no subscriber at all; `off`, the EPP's own subscriber
+//! with tracing off (its default: the log only, request spans disabled); `otlp`, the EPP's
+//! subscriber exporting every request's spans (`KVGATE_BENCH_TRACE_RATIO`, default 1) to an
+//! in-process OTLP receiver. Each decision is timed as the ext_proc stream makes it: the
+//! request's span, `Picker::route` inside it, and the `traceparent` for the engine; the
+//! response's end (closing the request's spans) is timed apart, as `end`. `ab` alternates the
+//! two subscribers request by request in one process (`[off]` and `[on]` lines), so that the
+//! machine's drift between runs does not enter the comparison.
+//! `e2e/bench/trace_cost.sh` alternates `off` and `otlp` runs and prints the ratio.
 
 #![allow(
     clippy::unwrap_used,
@@ -301,6 +311,8 @@ fn thread_cpu() -> Duration {
 struct Took {
     wall: Duration,
     cpu: Duration,
+    /// The response's end, timed apart (closing the request's spans).
+    end: Duration,
 }
 
 /// A chat completion request with `body`, as the ext_proc stream hands it to the picker.
@@ -315,15 +327,94 @@ fn chat_input(body: &[u8]) -> RoutingInput<'_> {
     }
 }
 
+/// The headers a request arrives with: a caller's trace context, sampled (every request traced)
+/// or not (`KVGATE_BENCH_CALLER=unsampled`), or none (`KVGATE_BENCH_CALLER=none`: the EPP
+/// starts the trace and `KVGATE_BENCH_TRACE_RATIO` decides).
+fn traced_headers() -> Vec<(String, String)> {
+    let flags = match std::env::var("KVGATE_BENCH_CALLER").as_deref() {
+        Ok("none") => return Vec::new(),
+        Ok("unsampled") => "00",
+        _ => "01",
+    };
+    vec![(
+        "traceparent".to_owned(),
+        format!("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-{flags}"),
+    )]
+}
+
 fn route(picker: &Picker, body: &[u8]) -> Took {
+    thread_local! {
+        static HEADERS: Vec<(String, String)> = traced_headers();
+    }
     let input = chat_input(body);
     let c = thread_cpu();
     let t = Instant::now();
-    let d = picker.route(input).expect("routed");
+    // As the ext_proc stream does: the sampling decision, then a span only for a traced request.
+    let (span, unsampled) = HEADERS.with(|h| match otel::head(h) {
+        otel::Head::Trace => (
+            kvgate_epp::extproc::request_span("POST", "/v1/chat/completions", "bench", h),
+            None,
+        ),
+        otel::Head::Skip { traceparent } => (tracing::Span::none(), traceparent),
+    });
+    let d = span.in_scope(|| picker.route(input)).expect("routed");
+    let parent = (otel::trace_headers(&span), unsampled);
     let wall = t.elapsed();
     let cpu = thread_cpu().saturating_sub(c);
-    picker.on_response(d.ticket, ResponseEvent::End);
-    Took { wall, cpu }
+    std::hint::black_box(parent);
+    let t = Instant::now();
+    span.in_scope(|| picker.on_response(d.ticket, ResponseEvent::End));
+    drop(span);
+    Took {
+        wall,
+        cpu,
+        end: t.elapsed(),
+    }
+}
+
+/// With `KVGATE_BENCH_TRACE=ab`: the EPP's subscriber with tracing off, then with it on;
+/// consecutive requests alternate between them (see [`under`]).
+static AB: std::sync::OnceLock<[tracing::Dispatch; 2]> = std::sync::OnceLock::new();
+
+/// Runs sample `i` under its A/B subscriber, if any; says whether it was traced.
+fn under<R>(i: usize, f: impl FnOnce() -> R) -> (bool, R) {
+    match AB.get() {
+        Some(d) => {
+            let traced = i % 2 == 1;
+            let out = tracing::dispatcher::with_default(&d[usize::from(traced)], f);
+            (traced, out)
+        }
+        None => (false, f()),
+    }
+}
+
+/// Reports `samples` whole, or, in A/B mode, the untraced and the traced halves apart.
+fn report_ab(name: &str, tokens: usize, samples: [Vec<Took>; 2]) {
+    let [off, on] = samples;
+    if AB.get().is_some() {
+        // Neighbouring requests, one untraced and one traced, drift together: the median of
+        // their differences is the cost of tracing with the machine's drift taken out.
+        let delta = |f: fn(&Took) -> Duration| {
+            let mut d: Vec<f64> = off
+                .iter()
+                .zip(&on)
+                .map(|(a, b)| f(b).as_secs_f64() - f(a).as_secs_f64())
+                .collect();
+            d.sort_by(f64::total_cmp);
+            d.get(d.len() / 2).copied().unwrap_or(0.0) * 1e6
+        };
+        let (cpu, end) = (delta(|t| t.cpu), delta(|t| t.end));
+        let base = percentiles(off.iter().map(|t| t.cpu).collect())[0];
+        report(&format!("{name} [off]"), tokens, off);
+        report(&format!("{name} [on]"), tokens, on);
+        println!(
+            "{name} paired: tracing adds {cpu:.1} µs of CPU to a decision ({:.1}% of its p50 \
+             {base:.1} µs) and {end:.1} µs to the response's end",
+            100.0 * cpu / base
+        );
+    } else {
+        report(name, tokens, off);
+    }
 }
 
 fn percentiles(mut samples: Vec<Duration>) -> [f64; 4] {
@@ -348,6 +439,91 @@ fn report(name: &str, tokens: usize, samples: Vec<Took>) {
         "{:<14}  {:>6}  cpu     p50 {:>9.1} µs  p90 {:>9.1} µs  p99 {:>9.1} µs  max {:>9.1} µs",
         "", "", cpu[0], cpu[1], cpu[2], cpu[3]
     );
+    let ends: Vec<Duration> = samples.iter().map(|t| t.end).collect();
+    if !ends.is_empty() {
+        let end = percentiles(ends);
+        println!(
+            "{:<14}  {:>6}  end     p50 {:>9.1} µs  p90 {:>9.1} µs  p99 {:>9.1} µs  max {:>9.1} µs",
+            "", "", end[0], end[1], end[2], end[3]
+        );
+    }
+}
+
+/// The subscriber `KVGATE_BENCH_TRACE` asks for (see the module docs); what it returns must
+/// live until the end (the runtime carries the receiver and the exporter's channel).
+fn tracing_mode() -> Option<Tracing> {
+    let mode = std::env::var("KVGATE_BENCH_TRACE").ok()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut args = otel::TracingArgs::default();
+    let receiver = match mode.as_str() {
+        "off" => None,
+        "otlp" | "ab" => {
+            let r = runtime.block_on(otel::receiver::Receiver::start()).unwrap();
+            // `KVGATE_BENCH_OTLP_ENDPOINT`: export elsewhere (a collector in another process,
+            // or a closed port to leave the export's own work out).
+            args.otlp_endpoint =
+                Some(std::env::var("KVGATE_BENCH_OTLP_ENDPOINT").unwrap_or_else(|_| r.endpoint()));
+            args.trace_sample_ratio = std::env::var("KVGATE_BENCH_TRACE_RATIO")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1.0);
+            Some(r)
+        }
+        other => {
+            eprintln!("KVGATE_BENCH_TRACE must be `off`, `otlp` or `ab`, not {other:?}");
+            std::process::exit(2);
+        }
+    };
+    let telemetry = if mode == "ab" {
+        let _rt = runtime.enter();
+        let (off, _) = otel::dispatch("kvgate-epp", &otel::TracingArgs::default()).unwrap();
+        let (on, telemetry) = otel::dispatch("kvgate-epp", &args).unwrap();
+        let _ = AB.set([off, on]);
+        telemetry
+    } else {
+        let _rt = runtime.enter();
+        otel::init("kvgate-epp", &args).unwrap()
+    };
+    println!(
+        "tracing: {mode}{}",
+        if telemetry.exporting() {
+            format!(", sample ratio {}", args.trace_sample_ratio)
+        } else {
+            String::new()
+        }
+    );
+    Some(Tracing {
+        runtime,
+        telemetry,
+        receiver,
+    })
+}
+
+/// The bench's tracing set-up, kept alive to the end.
+struct Tracing {
+    runtime: tokio::runtime::Runtime,
+    telemetry: otel::Telemetry,
+    receiver: Option<otel::receiver::Receiver>,
+}
+
+impl Tracing {
+    /// Flushes the exporter and says how many spans the receiver got.
+    fn finish(self) {
+        self.telemetry.shutdown();
+        if let Some(r) = self.receiver {
+            let spans = r.spans();
+            let requests = spans.iter().filter(|s| s.name == "epp.request").count();
+            println!(
+                "tracing: the receiver got {} spans, {requests} of them request spans",
+                spans.len()
+            );
+        }
+        drop(self.runtime);
+    }
 }
 
 /// Approximate prompt tokens of a conversation, from the tokenizer.
@@ -368,8 +544,8 @@ fn scenario(dir: &Path, label: &str, words_per_turn: usize, turns: usize, n: usi
     // Warm: the previous request was [.., assistant_k-1, user_k]; this one adds the assistant's
     // answer to it only if `unseen_reply`, then the new user turn.
     let mut run = |short: bool| {
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
+        let mut out = [Vec::with_capacity(n), Vec::with_capacity(n)];
+        for i in 0..n {
             let last = if short { 30 } else { words_per_turn };
             let full = conversation(&mut rng, words_per_turn, turns, last);
             let previous: Vec<serde_json::Value> = if short {
@@ -379,22 +555,26 @@ fn scenario(dir: &Path, label: &str, words_per_turn: usize, turns: usize, n: usi
             } else {
                 full[..full.len() - 2].to_vec()
             };
-            bench.serve(&body(&previous));
-            out.push(route(picker, &body(&full)));
+            let (traced, took) = under(i, || {
+                bench.serve(&body(&previous));
+                route(picker, &body(&full))
+            });
+            out[usize::from(traced)].push(took);
         }
         out
     };
     let warm = run(true);
-    report(&format!("{label} warm"), tokens, warm);
+    report_ab(&format!("{label} warm"), tokens, warm);
     let new_turn = run(false);
-    report(&format!("{label} new turn"), tokens, new_turn);
+    report_ab(&format!("{label} new turn"), tokens, new_turn);
 
-    let mut cold = Vec::with_capacity(n_cold);
-    for _ in 0..n_cold {
+    let mut cold = [Vec::with_capacity(n_cold), Vec::with_capacity(n_cold)];
+    for i in 0..n_cold {
         let full = conversation(&mut rng, words_per_turn, turns, words_per_turn);
-        cold.push(route(picker, &body(&full)));
+        let (traced, took) = under(i, || route(picker, &body(&full)));
+        cold[usize::from(traced)].push(took);
     }
-    report(&format!("{label} cold"), tokens, cold);
+    report_ab(&format!("{label} cold"), tokens, cold);
     let stats = picker.stats();
     println!(
         "{label}: {} of {} routed requests stopped keying early ({} tokens estimated)",
@@ -494,6 +674,35 @@ fn breakdown(dir: &Path) {
     });
 }
 
+/// The spans of a traced decision without the decision: a request span, the picker's work on an
+/// empty pool (parse, tokenize, pick with the scheduler's spans, first token) and the response's
+/// end, 2,000 times; the per-request CPU (run it with `KVGATE_BENCH_TRACE=otlp`).
+fn spans_alone(dir: &Path) {
+    let _ = dir;
+    let ds = Arc::new(Datastore::new());
+    let key = ("pod-0".to_owned(), 8000);
+    let id = ds.id_for(&key);
+    ds.replace(vec![(
+        key,
+        Endpoint::new(id, "10.0.0.1:8000".parse().unwrap()),
+    )]);
+    let picker = Picker::new(
+        Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL),
+        Scheduler::new(SchedulerConfig::default(), 7).unwrap(),
+        Arc::new(KvIndex::new(IndexConfig::default()).unwrap()),
+        Arc::new(InflightTracker::new()),
+        Arc::new(LoadBook::new()),
+        ds,
+    );
+    let body = br#"{"model":"Qwen/Qwen3-0.6B","messages":[{"role":"user","content":"hi"}]}"#;
+    let mut took = [Vec::new(), Vec::new()];
+    for i in 0..2000 {
+        let (traced, t) = under(i, || route(&picker, body));
+        took[usize::from(traced)].push(t);
+    }
+    report_ab("one-block chat", 0, took);
+}
+
 /// Warm 8k decisions for a profiler: serves `n` conversations' previous requests first, then
 /// says `routing` on stderr, waits two seconds (to attach `perf record -p`), and routes each
 /// conversation's next request once.
@@ -528,6 +737,7 @@ fn main() {
         .find(|a| !a.starts_with('-'))
         .unwrap_or_default();
     println!("decision cost: Picker::route, {ENDPOINTS} endpoints, block {BLOCK}, one thread");
+    let tracing = tracing_mode();
     if which == "profile" {
         profile(&dir, 1000);
         return;
@@ -540,8 +750,18 @@ fn main() {
         // ~8k tokens: 12 turns of 400 words (user) + 200 (assistant).
         scenario(&dir, "8k", 400, 12, 300, 100);
     }
+    if which == "spans" {
+        spans_alone(&dir);
+    }
+    if which == "tiny" {
+        // A one-turn chat of a few words: the decision's fixed costs (and tracing's) alone.
+        scenario(&dir, "tiny", 8, 1, 300, 100);
+    }
     if which.is_empty() || which == "100k" {
         // ~100k tokens: 40 turns of 1,600 words + 800.
         scenario(&dir, "100k", 1600, 40, 40, 15);
+    }
+    if let Some(tracing) = tracing {
+        tracing.finish();
     }
 }

@@ -70,6 +70,16 @@ const HANDOFF_CAPACITY: usize = 1 << 16;
 
 /// Runs the EPP until a shutdown signal.
 pub fn run(args: Args) -> Result<(), AppError> {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if args.worker_threads > 0 {
+        runtime.worker_threads(args.worker_threads);
+    }
+    let runtime = runtime.enable_all().build().map_err(AppError::Runtime)?;
+    // The log, and the trace exporter whose channel lives on the runtime.
+    let telemetry = {
+        let _runtime = runtime.enter();
+        otel::init("kvgate-epp", &args.tracing).map_err(|e| config_error(e.to_string()))?
+    };
     args.validate().map_err(config_error)?;
     let scheduler_config = match &args.config {
         Some(path) => {
@@ -110,11 +120,6 @@ pub fn run(args: Args) -> Result<(), AppError> {
         }
         None => crate::routing::rewrite::RewriteRules::default(),
     };
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if args.worker_threads > 0 {
-        runtime.worker_threads(args.worker_threads);
-    }
-    let runtime = runtime.enable_all().build().map_err(AppError::Runtime)?;
     let wake = Arc::new(Wake::default());
     let feed = start_feed(&args, runtime.handle(), Arc::clone(&wake))?;
     let mut picker = Picker::new(
@@ -231,6 +236,7 @@ pub fn run(args: Args) -> Result<(), AppError> {
     }
     stop.store(true, Ordering::Relaxed);
     let _ = background.join();
+    telemetry.shutdown();
     served.map_err(|e| AppError::Serve(e.to_string()))
 }
 

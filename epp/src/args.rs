@@ -187,6 +187,9 @@ pub struct Args {
     /// HTTP/2 adaptive flow-control windows on the ext_proc listener (BDP estimation).
     #[arg(long, env = "KVGATE_HTTP2_ADAPTIVE_WINDOW", default_value_t = false, action = clap::ArgAction::Set)]
     pub http2_adaptive_window: bool,
+    /// Request traces (OpenTelemetry, OTLP/gRPC): off unless `--otlp-endpoint` is set.
+    #[command(flatten)]
+    pub tracing: otel::TracingArgs,
 }
 
 impl Args {
@@ -200,6 +203,7 @@ impl Args {
 
     /// Checks what clap cannot: combinations and ranges.
     pub fn validate(&self) -> Result<(), String> {
+        self.tracing.validate().map_err(|e| e.to_string())?;
         if self.discovery == Discovery::File && self.endpoints_file.is_none() {
             return Err("--discovery file needs --endpoints-file".into());
         }

@@ -18,8 +18,7 @@ pub mod server;
 
 pub use args::{Args, Discovery, EngineArg, PoolGroupArg};
 
-/// Runs the EPP until SIGINT/SIGTERM (see [`app`]).
+/// Runs the EPP until SIGINT/SIGTERM (see [`app`]); [`app::run`] sets up logging and traces.
 pub fn run(args: Args) -> Result<(), app::AppError> {
-    cli_support::init_tracing();
     app::run(args)
 }

@@ -82,6 +82,17 @@ pub fn source(args: &Args, rank: u32) -> Source {
 
 /// Runs the sidecar until a shutdown signal.
 pub(crate) fn run(args: Args) -> Result<(), AppError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kvgate-sidecar")
+        .enable_all()
+        .build()
+        .map_err(AppError::Runtime)?;
+    // The log, and the trace exporter whose channel lives on the runtime.
+    let telemetry = {
+        let _runtime = runtime.enter();
+        otel::init("kvgate-sidecar", &args.tracing).map_err(|e| config(e.to_string()))?
+    };
     args.validate().map_err(config)?;
     let engine = crate::proxy::engine_authority(&args.engine_url).map_err(config)?;
     let mut streams = Vec::new();
@@ -98,13 +109,9 @@ pub(crate) fn run(args: Args) -> Result<(), AppError> {
         cfg.poll = Duration::from_millis(args.batch_max_delay_ms.clamp(1, 100));
         streams.push(cfg);
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("kvgate-sidecar")
-        .enable_all()
-        .build()
-        .map_err(AppError::Runtime)?;
-    runtime.block_on(serve(args, engine, streams))
+    let served = runtime.block_on(serve(args, engine, streams));
+    telemetry.shutdown();
+    served
 }
 
 async fn serve(args: Args, engine: String, streams: Vec<StreamConfig>) -> Result<(), AppError> {

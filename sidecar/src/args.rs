@@ -90,6 +90,9 @@ pub struct Args {
     /// Engine `/metrics` scrape interval for the load relay, in milliseconds.
     #[arg(long, default_value_t = 50)]
     pub load_interval_ms: u64,
+    /// Request traces (OpenTelemetry, OTLP/gRPC): off unless `--otlp-endpoint` is set.
+    #[command(flatten)]
+    pub tracing: otel::TracingArgs,
 }
 
 /// The most data-parallel ranks one sidecar serves (GIE's limit on an InferencePool's target ports).
@@ -98,6 +101,7 @@ pub(crate) const MAX_DP_SIZE: u32 = 8;
 impl Args {
     /// Checks what clap cannot.
     pub fn validate(&self) -> Result<(), String> {
+        self.tracing.validate().map_err(|e| e.to_string())?;
         if self.block_size == 0 {
             return Err("--block-size must be positive".into());
         }

@@ -26,7 +26,7 @@ pub use args::{Args, Engine};
 pub use lifecycle::RunError;
 
 /// Validates the configuration, then runs the sidecar until SIGTERM or SIGINT.
+/// `app::run` sets up logging and traces.
 pub fn run(args: Args) -> Result<(), AppError> {
-    cli_support::init_tracing();
     app::run(args)
 }

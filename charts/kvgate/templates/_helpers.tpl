@@ -94,3 +94,16 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- define "kvgate.containerSecurityContext" -}}
 {{- toYaml .Values.containerSecurityContext -}}
 {{- end -}}
+
+{{/*
+kvgate.tracingEnv: the OpenTelemetry variables of a traced container (the EPP, the sidecars);
+nothing when tracing is off.
+*/}}
+{{- define "kvgate.tracingEnv" -}}
+{{- with .Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $.Values.tracing.sampleRatio | quote }}
+{{- end }}
+{{- end }}

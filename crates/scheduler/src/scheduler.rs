@@ -55,6 +55,9 @@ impl ScheduleRequest<'_> {
     }
 }
 
+/// The `tracing` target of a request's trace spans (kvgate-otel's `TARGET`).
+const TRACE_TARGET: &str = "kvgate::trace";
+
 impl Scheduler {
     /// A scheduler with a validated `config`; `seed` fixes every random choice (the same calls
     /// in the same order give the same decisions).
@@ -126,9 +129,28 @@ impl Scheduler {
         decode_candidates(endpoints, req.model, req.subset, &mut eligible)?;
         let lookup = matches!(self.config.policy, Policy::Kv | Policy::PrefixOnly);
         let salt = self.rng.next_u64();
+        // Spans of a traced request: under the EPP's `pick` span only (target `otel::TARGET`
+        // of kvgate-otel, spelled out so this crate needs no OpenTelemetry); none otherwise.
+        let traced = tracing::Span::current()
+            .metadata()
+            .is_some_and(|m| m.target() == TRACE_TARGET);
+        let looking_up = if traced {
+            tracing::info_span!(target: "kvgate::trace", "index_lookup", candidates = eligible.len())
+        } else {
+            tracing::Span::none()
+        }
+        .entered();
         let cands = self.gather(&eligible, req, lookup, index, inflight, loads, salt);
+        drop(looking_up);
         let prompt_blocks = req.blocks();
+        let scoring = if traced {
+            tracing::info_span!(target: "kvgate::trace", "score")
+        } else {
+            tracing::Span::none()
+        }
+        .entered();
         let ranking = rank(&cands, prompt_blocks, &self.config, &self.rng, &self.turn);
+        drop(scoring);
 
         // The filters returned at least one candidate, so the ranking has a primary row.
         let chosen = ranking

@@ -120,6 +120,9 @@ pub struct StackConfig {
     pub ready_timeout: Duration,
     /// How long a stopped component may take to exit after SIGTERM before it is killed.
     pub stop_grace: Duration,
+    /// An OTLP/gRPC collector for the EPP's and the sidecars' request traces (every trace
+    /// sampled); no tracing when `None`.
+    pub otlp_endpoint: Option<String>,
 }
 
 impl Default for StackConfig {
@@ -151,6 +154,7 @@ impl Default for StackConfig {
             redis_server: PathBuf::from("redis-server"),
             ready_timeout: Duration::from_secs(30),
             stop_grace: Duration::from_secs(5),
+            otlp_endpoint: None,
         }
     }
 }

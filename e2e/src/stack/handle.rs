@@ -443,7 +443,7 @@ impl Stack {
             }
             Component::Sidecar(i) => {
                 let p = self.ports.engines.get(i).copied().unwrap_or(ZERO);
-                let args = strings(&[
+                let mut args = strings(&[
                     "--engine-url",
                     &format!("http://127.0.0.1:{}", p.http),
                     "--engine",
@@ -479,6 +479,7 @@ impl Stack {
                     "--prefiller-allow-list",
                     &path("endpoints.yaml"),
                 ]);
+                args.extend(tracing_args(c));
                 (self.bins.sidecar.clone(), args, rust_env)
             }
             Component::Epp | Component::EppReplica(_) => {
@@ -514,6 +515,7 @@ impl Stack {
                 if c.kv_events == KvEventsPath::Nats {
                     args.extend(strings(&["--nats-url", &nats_url]));
                 }
+                args.extend(tracing_args(c));
                 (self.bins.epp.clone(), args, rust_env)
             }
             Component::Envoy => (
@@ -644,4 +646,12 @@ fn make_run_dir(dir: Option<&Path>) -> Result<PathBuf, StackError> {
         what: format!("creating a run directory in {}", base.display()),
         source: std::io::Error::other("1000 names taken"),
     })
+}
+
+/// The EPP's and the sidecars' tracing flags: every trace to the stack's collector, if any.
+fn tracing_args(c: &StackConfig) -> Vec<String> {
+    match &c.otlp_endpoint {
+        Some(url) => strings(&["--otlp-endpoint", url, "--trace-sample-ratio", "1"]),
+        None => Vec::new(),
+    }
 }

@@ -108,6 +108,10 @@ pub struct UpArgs {
     /// EPP replicas in Kubernetes mode (active-active).
     #[arg(long, default_value_t = 1)]
     pub epp_replicas: usize,
+    /// Send the EPP's and the sidecars' request traces to this OTLP/gRPC collector (e.g.
+    /// `http://127.0.0.1:4317`), every trace sampled. Local stack only.
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
 }
 
 impl UpArgs {
@@ -155,6 +159,7 @@ impl UpArgs {
                 ..KvbmConfig::default()
             }),
             redis_server: self.redis_server.clone(),
+            otlp_endpoint: self.otlp_endpoint.clone(),
             ..StackConfig::default()
         })
     }

@@ -32,13 +32,17 @@ mod metadata;
 mod rewrite;
 mod router;
 mod stream;
+#[cfg(test)]
+mod trace_tests;
 mod usage;
 
 pub use body::MAX_CHUNK_BYTES;
 pub use handoff::{HandoffStats, Handoffs};
 pub use rewrite::ResponseRewriter;
 pub use router::{Decision, Rejection, ResponseEvent, ResponseModel, Router, RoutingInput};
-pub use stream::{BodyMode, ExtProcStream, HeaderEndpoints, StreamConfig, StreamError};
+pub use stream::{
+    BodyMode, ExtProcStream, HeaderEndpoints, StreamConfig, StreamError, request_span,
+};
 
 /// Header carrying the pick, primary first (GIE `DestinationEndpointKey`).
 pub const DESTINATION_ENDPOINT_HEADER: &str = "x-gateway-destination-endpoint";

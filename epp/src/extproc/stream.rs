@@ -137,20 +137,26 @@ impl StreamError {
 struct Ticket {
     id: u64,
     router: Option<Arc<dyn Router>>,
+    /// The request's trace span: the router's spans for the response hang under it.
+    span: tracing::Span,
 }
 
 impl Ticket {
     fn report(&self, event: ResponseEvent) {
         debug_assert!(!event.is_terminal());
+        if let ResponseEvent::Headers { status, .. } = &event {
+            self.span.record("http.response.status_code", status);
+        }
         if let Some(r) = &self.router {
-            r.on_response(self.id, event);
+            self.span.in_scope(|| r.on_response(self.id, event));
         }
     }
 
     fn close(mut self, event: ResponseEvent) {
         debug_assert!(event.is_terminal());
         if let Some(r) = self.router.take() {
-            r.on_response(self.id, event);
+            self.span.record("outcome", outcome(&event));
+            self.span.in_scope(|| r.on_response(self.id, event));
         }
     }
 }
@@ -158,9 +164,52 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         if let Some(r) = self.router.take() {
-            r.on_response(self.id, ResponseEvent::Aborted);
+            self.span
+                .record("outcome", outcome(&ResponseEvent::Aborted));
+            self.span
+                .in_scope(|| r.on_response(self.id, ResponseEvent::Aborted));
         }
     }
+}
+
+fn outcome(event: &ResponseEvent) -> &'static str {
+    if *event == ResponseEvent::End {
+        "completed"
+    } else {
+        "aborted"
+    }
+}
+
+/// The span a request's trace is made of in the EPP (target [`otel::TARGET`]): a child of the
+/// caller's W3C trace context when `headers` (lower-case names) carry one. The router's spans
+/// (parse, tokenize, pick, first token, decode) hang under it; it ends with the response.
+/// Disabled, at the cost of one cached check, when tracing is off. Create it only for a request
+/// [`otel::head`] says to trace.
+pub fn request_span(
+    method: &str,
+    path: &str,
+    request_id: &str,
+    headers: &[(String, String)],
+) -> tracing::Span {
+    let span = tracing::info_span!(
+        target: otel::TARGET,
+        "epp.request",
+        otel.kind = "server",
+        request_id,
+        http.request.method = method,
+        url.path = path,
+        endpoints = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+        model = tracing::field::Empty,
+        prompt_tokens = tracing::field::Empty,
+        cached_tokens = tracing::field::Empty,
+        completion_tokens = tracing::field::Empty,
+        ttft_ms = tracing::field::Empty,
+        itl_ms = tracing::field::Empty,
+    );
+    otel::set_parent(&span, headers);
+    span
 }
 
 impl std::fmt::Debug for Ticket {
@@ -246,6 +295,11 @@ pub struct ExtProcStream {
     request_id: Option<String>,
     request: RequestPhase,
     response: Option<Observer>,
+    /// The request's trace span (`epp.request`), from its headers to the response's end;
+    /// disabled when tracing is off or the request is not sampled.
+    span: tracing::Span,
+    /// An unsampled request's generated `traceparent`, sent on so later hops keep the decision.
+    unsampled_parent: Option<String>,
 }
 
 impl std::fmt::Debug for ExtProcStream {
@@ -272,6 +326,8 @@ impl ExtProcStream {
             request_id: None,
             request: RequestPhase::AwaitingHeaders,
             response: None,
+            span: tracing::Span::none(),
+            unsampled_parent: None,
         }
     }
 
@@ -421,6 +477,12 @@ impl ExtProcStream {
         self.note_subset(metadata);
         let head = RequestHead::parse(&h.headers);
         tracing::Span::current().record("request_id", head.request_id.as_str());
+        match otel::head(&head.headers) {
+            otel::Head::Trace => {
+                self.span = request_span(&head.method, &head.path, &head.request_id, &head.headers);
+            }
+            otel::Head::Skip { traceparent } => self.unsampled_parent = traceparent,
+        }
         self.request_id = Some(head.request_id.clone());
         let mode = self.request_mode();
         if h.end_of_stream || mode == BodyMode::None {
@@ -522,6 +584,9 @@ impl ExtProcStream {
             "request answered by the EPP"
         );
         self.request = RequestPhase::Refused;
+        self.span
+            .record("http.response.status_code", refusal.status);
+        self.span.record("outcome", refusal.reason);
         vec![refusal.into_response(self.request_id.as_deref())]
     }
 
@@ -546,13 +611,14 @@ impl ExtProcStream {
             subset: self.subset.clone(),
             request_id: Some(&head.request_id),
         };
-        let decision = match self.router.route(input) {
+        let decision = match self.span.in_scope(|| self.router.route(input)) {
             Ok(d) => d,
             Err(rejection) => return self.refuse(Refusal::from(&rejection)),
         };
         let ticket = Ticket {
             id: decision.ticket,
             router: Some(Arc::clone(&self.router)),
+            span: self.span.clone(),
         };
         if let Err(problem) = validate(&decision) {
             tracing::error!(%problem, endpoints = ?decision.endpoints, "router returned an unusable decision");
@@ -576,6 +642,7 @@ impl ExtProcStream {
         };
         let endpoints = endpoints.join(",");
         tracing::Span::current().record("endpoint", endpoints.as_str());
+        self.span.record("endpoints", endpoints.as_str());
         tracing::debug!(endpoint = %endpoints, "picked");
 
         let body_changed = new_body.is_some();
@@ -588,6 +655,16 @@ impl ExtProcStream {
         );
         if head.request_id_generated {
             set_headers.push(set(super::REQUEST_ID_HEADER, &head.request_id));
+        }
+        // The engine's side of the trace continues from this request's span (nothing is
+        // written when tracing is off: a client's own `traceparent` passes through).
+        set_headers.extend(
+            otel::trace_headers(&self.span)
+                .iter()
+                .map(|(name, value)| set(name, value)),
+        );
+        if let Some(parent) = &self.unsampled_parent {
+            set_headers.push(set("traceparent", parent));
         }
         let content_length = match delivery {
             Delivery::Duplex { .. } => forwarded.as_ref().map(Vec::len),
@@ -892,4 +969,4 @@ fn streamed(
 
 #[cfg(test)]
 #[path = "stream_tests.rs"]
-mod tests;
+pub(super) mod tests;

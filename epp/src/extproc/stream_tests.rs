@@ -98,7 +98,7 @@ fn stream_with(router: &Arc<FakeRouter>, config: StreamConfig) -> ExtProcStream 
     ExtProcStream::new(r, Arc::new(config))
 }
 
-fn header_map(pairs: &[(&str, &str)]) -> Option<HeaderMap> {
+pub(crate) fn header_map(pairs: &[(&str, &str)]) -> Option<HeaderMap> {
     Some(HeaderMap {
         headers: pairs
             .iter()
@@ -111,7 +111,10 @@ fn header_map(pairs: &[(&str, &str)]) -> Option<HeaderMap> {
     })
 }
 
-fn modes(request: BodySendMode, response: BodySendMode) -> Option<ProtocolConfiguration> {
+pub(crate) fn modes(
+    request: BodySendMode,
+    response: BodySendMode,
+) -> Option<ProtocolConfiguration> {
     Some(ProtocolConfiguration {
         request_body_mode: request as i32,
         response_body_mode: response as i32,
@@ -119,7 +122,7 @@ fn modes(request: BodySendMode, response: BodySendMode) -> Option<ProtocolConfig
     })
 }
 
-fn req_headers(pairs: &[(&str, &str)], eos: bool) -> ProcessingRequest {
+pub(crate) fn req_headers(pairs: &[(&str, &str)], eos: bool) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(Request::RequestHeaders(HttpHeaders {
             headers: header_map(pairs),
@@ -145,7 +148,7 @@ fn post(pc: Option<ProtocolConfiguration>) -> ProcessingRequest {
     }
 }
 
-fn req_body(bytes: &[u8], eos: bool) -> ProcessingRequest {
+pub(crate) fn req_body(bytes: &[u8], eos: bool) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(Request::RequestBody(HttpBody {
             body: bytes.to_vec(),
@@ -163,7 +166,7 @@ fn req_trailers() -> ProcessingRequest {
     }
 }
 
-fn resp_headers(
+pub(crate) fn resp_headers(
     status: &str,
     content_type: &str,
     eos: bool,
@@ -186,7 +189,7 @@ fn resp_headers(
     }
 }
 
-fn resp_body(bytes: &[u8], eos: bool) -> ProcessingRequest {
+pub(crate) fn resp_body(bytes: &[u8], eos: bool) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(Request::ResponseBody(HttpBody {
             body: bytes.to_vec(),
@@ -231,7 +234,7 @@ fn common(r: &ProcessingResponse) -> &CommonResponse {
     c.unwrap_or_else(|| panic!("no common response in {r:?}"))
 }
 
-fn set_headers(r: &ProcessingResponse) -> HashMap<String, String> {
+pub(crate) fn set_headers(r: &ProcessingResponse) -> HashMap<String, String> {
     common(r)
         .header_mutation
         .iter()
@@ -293,7 +296,7 @@ fn immediate_header(i: &ImmediateResponse, name: &str) -> Option<String> {
         .map(|h| String::from_utf8(h.raw_value.clone()).unwrap())
 }
 
-fn duplex() -> Option<ProtocolConfiguration> {
+pub(crate) fn duplex() -> Option<ProtocolConfiguration> {
     modes(
         BodySendMode::FullDuplexStreamed,
         BodySendMode::FullDuplexStreamed,

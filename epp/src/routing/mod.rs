@@ -7,6 +7,7 @@ pub mod picker;
 pub mod request;
 pub mod rewrite;
 pub mod stats;
+mod trace;
 
 #[cfg(test)]
 mod early_stop_props;

@@ -16,6 +16,7 @@ use super::keys::{Keyed, Keyer};
 use super::request::{self, Api};
 use super::rewrite::{REWRITE_HEADERS, RewriteRules, rewrite_request_body};
 use super::stats::{Completed, ErrorCode, RequestMetrics, Series};
+use super::trace::{self, ResponseTrace};
 use crate::discovery::Datastore;
 use crate::extproc::{Decision, Rejection, ResponseEvent, ResponseModel, Router, RoutingInput};
 use crate::load::health::HealthBook;
@@ -77,6 +78,7 @@ struct OpenRequest {
     first_byte: Option<Instant>,
     status: u16,
     usage: Option<(u32, u32, Option<u32>)>,
+    trace: ResponseTrace,
 }
 
 /// A request after parsing, rewriting and keying.
@@ -291,6 +293,8 @@ impl Picker {
                 body: None,
             });
         };
+        let traced = trace::active();
+        let parsing = trace::parse(traced, body.len()).entered();
         let parsed = request::parse(api, body)
             .map_err(|e| (Rejection::BadRequest(e.to_string()), String::new()))?;
         if let Some(field) = parsed.transfer_field
@@ -328,8 +332,10 @@ impl Picker {
             ),
             None => None,
         };
+        drop(parsing);
         // Keying stops once no endpoint of the pool (a superset of the candidates) holds the
         // newest key: a point query per tokenized chunk.
+        let tokenizing = trace::tokenize(traced).entered();
         let mut probe = PoolProbe::new(&self.index, endpoints);
         let keyed = self
             .keyer
@@ -344,6 +350,11 @@ impl Picker {
                 };
                 (r, model.clone())
             })?;
+        tokenizing.record("prompt_tokens", keyed.prompt_tokens);
+        tokenizing.record("tokenized_tokens", keyed.tokenized);
+        tokenizing.record("prompt_blocks", keyed.prompt_blocks);
+        tokenizing.record("stopped_early", keyed.stopped_early);
+        drop(tokenizing);
         let served = target.unwrap_or_else(|| model.clone());
         Ok(Prepared {
             keyed: Some(keyed),
@@ -415,11 +426,23 @@ impl Router for Picker {
             now: self.now(),
         };
         let scheduling = Instant::now();
+        let picking = trace::pick(trace::active(), endpoints.len()).entered();
         let scheduled =
             self.scheduler
                 .route(&req, &endpoints, &self.index, &self.inflight, &self.loads);
         self.requests
             .on_scheduled(scheduled.is_ok(), scheduling.elapsed());
+        if let Ok(r) = &scheduled {
+            let d = &r.decision;
+            picking.record("endpoint", tracing::field::display(&d.primary.address));
+            picking.record("reason", d.reason.as_str());
+            picking.record("prompt_blocks", d.prompt_blocks);
+            picking.record(
+                "cached_blocks",
+                d.prompt_blocks.saturating_sub(d.uncached_blocks),
+            );
+        }
+        drop(picking);
         let Routed { decision, token } = match scheduled {
             Ok(r) => r,
             Err(e) => {
@@ -447,6 +470,7 @@ impl Router for Picker {
             first_byte: None,
             status: 0,
             usage: None,
+            trace: ResponseTrace::start(tracing::Span::current(), &prepared.model),
         };
         self.tickets
             .lock()
@@ -537,7 +561,11 @@ impl Router for Picker {
             }
             ResponseEvent::FirstByte => {
                 if let Some(open) = tickets.get_mut(&ticket) {
-                    open.first_byte.get_or_insert_with(Instant::now);
+                    if open.first_byte.is_none() {
+                        let now = Instant::now();
+                        open.first_byte = Some(now);
+                        open.trace.first_byte(now.duration_since(open.routed));
+                    }
                     self.inflight.on_first_token(open.token);
                     if let Some(leg) = open.prefill.take() {
                         self.leg_finished(leg);
@@ -565,12 +593,14 @@ impl Router for Picker {
                     self.loads.note_finished(open.token.endpoint());
                 }
                 if event == ResponseEvent::End {
-                    open.series.on_completed(&Completed {
+                    let completed = Completed {
                         duration: open.routed.elapsed(),
                         ttft: open.first_byte.map(|t| t.duration_since(open.routed)),
                         usage: open.usage,
                         status: open.status,
-                    });
+                    };
+                    open.series.on_completed(&completed);
+                    open.trace.completed(&completed);
                 } else {
                     open.series.on_aborted();
                 }

@@ -105,12 +105,8 @@ impl Series {
             if let Some(c) = cached {
                 self.cached_tokens.observe(f64::from(c));
             }
-            if let Some(ttft) = done.ttft
-                && completion > 1
-            {
-                let decode = done.duration.saturating_sub(ttft);
-                self.tpot
-                    .observe(decode.as_secs_f64() / f64::from(completion - 1));
+            if let Some(itl) = done.itl_seconds() {
+                self.tpot.observe(itl);
             }
         }
         if !(200..300).contains(&done.status) {
@@ -144,6 +140,17 @@ pub struct Completed {
     pub usage: Option<(u32, u32, Option<u32>)>,
     /// HTTP status (0 if unknown).
     pub status: u16,
+}
+
+impl Completed {
+    /// The mean time between output tokens after the first (inter-token latency, TPOT), in
+    /// seconds: the decode time over all but the first token, when both are known.
+    pub fn itl_seconds(&self) -> Option<f64> {
+        let (_, completion, _) = self.usage?;
+        let ttft = self.ttft?;
+        (completion > 1)
+            .then(|| self.duration.saturating_sub(ttft).as_secs_f64() / f64::from(completion - 1))
+    }
 }
 
 /// The request metrics of one EPP.

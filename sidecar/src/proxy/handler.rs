@@ -46,15 +46,19 @@ pub struct ProxyState {
 }
 
 /// The axum handler for every method and path.
-pub async fn handle(State(state): State<Arc<ProxyState>>, req: Request<Body>) -> Response<Body> {
+pub async fn handle(
+    State(state): State<Arc<ProxyState>>,
+    mut req: Request<Body>,
+) -> Response<Body> {
     let started = Instant::now();
-    let guard = state.metrics.in_flight();
     let request_id = req
         .headers()
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_owned();
+    let trace = request_span(&mut req, &request_id);
+    let guard = state.metrics.in_flight().traced(trace.clone());
     let target = match prefiller(req.headers()) {
         Prefiller::At(addr) if Api::from_path(req.uri().path()).is_some() => Ok(Some(addr)),
         Prefiller::Malformed(raw) if Api::from_path(req.uri().path()).is_some() => {
@@ -62,6 +66,14 @@ pub async fn handle(State(state): State<Arc<ProxyState>>, req: Request<Body>) ->
         }
         _ => Ok(None),
     };
+    trace.record(
+        "mode",
+        if matches!(target, Ok(None)) {
+            Mode::Passthrough.label()
+        } else {
+            Mode::Pd.label()
+        },
+    );
     let (mode, result) = match target {
         Ok(None) => {
             let span = tracing::debug_span!("proxy", mode = "passthrough", %request_id, path = %req.uri().path());
@@ -69,6 +81,7 @@ pub async fn handle(State(state): State<Arc<ProxyState>>, req: Request<Body>) ->
                 Mode::Passthrough,
                 passthrough(&state, req, started, guard)
                     .instrument(span)
+                    .instrument(trace.clone())
                     .await,
             )
         }
@@ -89,7 +102,10 @@ pub async fn handle(State(state): State<Arc<ProxyState>>, req: Request<Body>) ->
                     }
                 }
             };
-            (Mode::Pd, flow.instrument(span).await)
+            (
+                Mode::Pd,
+                flow.instrument(span).instrument(trace.clone()).await,
+            )
         }
         Err(e) => (Mode::Pd, Err(e)),
     };
@@ -101,7 +117,54 @@ pub async fn handle(State(state): State<Arc<ProxyState>>, req: Request<Body>) ->
         e.into_response()
     });
     state.metrics.request(mode, resp.status().as_u16());
+    trace.record("http.response.status_code", resp.status().as_u16());
     resp
+}
+
+/// The request's span in the sidecar (target [`otel::TARGET`]): a child of the trace the EPP
+/// (or the client) started, per the request's `traceparent`; it ends with the response body.
+/// The request's `traceparent`/`tracestate` are replaced by this span's, so the engine, a
+/// prefiller and a migration target continue the trace from here. Tracing off, or a request
+/// head sampling leaves out: no span, and the headers go on as they came (with a generated
+/// unsampled `traceparent` when they had none, so the engine keeps the decision).
+fn request_span(req: &mut Request<Body>, request_id: &str) -> tracing::Span {
+    let incoming: Vec<(&str, &str)> = ["traceparent", "tracestate"]
+        .into_iter()
+        .filter_map(|name| {
+            let value = req.headers().get(name)?.to_str().ok()?;
+            Some((name, value))
+        })
+        .collect();
+    match otel::head(&incoming) {
+        otel::Head::Trace => {}
+        otel::Head::Skip { traceparent } => {
+            if let Some(v) = traceparent.and_then(|tp| HeaderValue::from_str(&tp).ok()) {
+                req.headers_mut().insert("traceparent", v);
+            }
+            return tracing::Span::none();
+        }
+    }
+    let span = tracing::info_span!(
+        target: otel::TARGET,
+        "sidecar.proxy",
+        otel.kind = "server",
+        request_id,
+        url.path = req.uri().path(),
+        mode = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+    );
+    if span.is_disabled() {
+        return span;
+    }
+    otel::set_parent(&span, &incoming);
+    let headers = req.headers_mut();
+    headers.remove("tracestate");
+    for (name, value) in otel::trace_headers(&span) {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            headers.insert(name, v);
+        }
+    }
+    span
 }
 
 /// The local engine's URI for a request target.
@@ -272,7 +335,9 @@ async fn pd(
         body: prefill_body,
     };
     let (outcome, waited) =
-        prefill::run::<Nixl>(&state.client, &state.prefill, &state.metrics, call).await;
+        prefill::run::<Nixl>(&state.client, &state.prefill, &state.metrics, call)
+            .instrument(tracing::info_span!(target: otel::TARGET, "prefill", %prefiller))
+            .await;
     let params = match outcome? {
         Prefilled::Ready(p) => p,
         Prefilled::Refused(status, body) => return Ok(refused(status, body)),

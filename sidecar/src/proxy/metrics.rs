@@ -112,13 +112,30 @@ impl MigrationOutcome {
     }
 }
 
-/// Decrements the in-flight gauge when the response (body included) is done.
+/// A request's lifetime, until its response (body included) is done: decrements the in-flight
+/// gauge then, and holds the request's trace span open until then.
 #[derive(Debug)]
-pub struct InFlight(Arc<ProxyMetrics>);
+pub struct InFlight {
+    metrics: Arc<ProxyMetrics>,
+    span: tracing::Span,
+}
+
+impl InFlight {
+    /// Keeps `span` (the request's trace span) open as long as the response.
+    pub fn traced(mut self, span: tracing::Span) -> Self {
+        self.span = span;
+        self
+    }
+
+    /// The request's trace span (disabled when tracing is off).
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -139,7 +156,10 @@ impl ProxyMetrics {
     /// Counts a request in flight until the guard drops.
     pub fn in_flight(self: &Arc<Self>) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(self.clone())
+        InFlight {
+            metrics: Arc::clone(self),
+            span: tracing::Span::none(),
+        }
     }
 
     /// Requests in flight now.

@@ -18,6 +18,7 @@ use bytes::Bytes;
 use http_body_util::BodyExt as _;
 use serde_json::{Map, Value};
 use tokio::sync::mpsc;
+use tracing::Instrument as _;
 
 use super::error::ProxyError;
 use super::handler::ProxyState;
@@ -74,6 +75,7 @@ pub fn relay(
     parts.headers.remove(header::CONTENT_LENGTH);
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(32);
     let state = Arc::clone(state);
+    let trace = guard.span().clone();
     tokio::spawn(async move {
         let _guard = guard;
         Pump {
@@ -82,6 +84,7 @@ pub fn relay(
             tx,
             progress: Progress::default(),
             attempts: 0,
+            trace,
         }
         .run(incoming.boxed())
         .await;
@@ -98,6 +101,8 @@ struct Pump<'a> {
     tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
     progress: Progress,
     attempts: u32,
+    /// The request's trace span: each migration attempt is a `migrate` span under it.
+    trace: tracing::Span,
 }
 
 /// How one upstream's stream ended.
@@ -207,7 +212,22 @@ impl Pump<'_> {
             };
             self.attempts += 1;
             metrics.migration_attempt();
-            match send(&self.state.client, target, &self.req, body.clone()).await {
+            let span = tracing::info_span!(
+                target: otel::TARGET,
+                parent: &self.trace,
+                "migrate",
+                %target,
+                attempt = self.attempts,
+                generated_tokens = self.progress.tokens,
+                why,
+                outcome = tracing::field::Empty,
+            );
+            let trace = otel::trace_headers(&span);
+            let sent = send(&self.state.client, target, &self.req, &trace, body.clone())
+                .instrument(span.clone())
+                .await;
+            span.record("outcome", if sent.is_ok() { "migrated" } else { "failed" });
+            match sent {
                 Ok(next) => {
                     tracing::info!(
                         why,
@@ -239,6 +259,7 @@ async fn send(
     client: &Upstream,
     target: SocketAddr,
     req: &Migratable,
+    trace: &[(&'static str, String)],
     body: Bytes,
 ) -> Result<Answer, ProxyError> {
     let uri = format!("http://{target}{}", req.path)
@@ -248,6 +269,12 @@ async fn send(
         .body(Body::from(body.clone()))
         .map_err(|e| ProxyError::Engine(e.to_string()))?;
     *out.headers_mut() = req.headers.clone();
+    // The target continues the trace from this attempt's span.
+    for (name, value) in trace {
+        if let Ok(v) = HeaderValue::from_str(value) {
+            out.headers_mut().insert(*name, v);
+        }
+    }
     out.headers_mut()
         .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
     let resp = client

@@ -56,6 +56,7 @@ sidecar's drain).
     {{- include "kvgate.downwardEnv" $root | nindent 4 }}
     - name: RUST_LOG
       value: info
+    {{- include "kvgate.tracingEnv" $root | nindent 4 }}
   ports:
     {{- range $r := until $dp }}
     - name: {{ if eq $r 0 }}http-proxy{{ else }}http-proxy-{{ $r }}{{ end }}

@@ -1,0 +1,32 @@
+//! OpenTelemetry traces for kvgate's components, and the logging set-up that carries them.
+//!
+//! - [`TracingArgs`]: the flags every traced binary takes (`--otlp-endpoint`,
+//!   `--trace-sample-ratio`, `--otel-service-name`, with the standard `OTEL_*` variables).
+//! - [`init`]: installs one `tracing` subscriber: the stderr log filtered by `RUST_LOG`, plus,
+//!   when an endpoint is set, a layer that exports the spans of target [`TARGET`] over OTLP/gRPC
+//!   in batches from a background thread. Without an endpoint, [`TARGET`]'s spans are disabled
+//!   at their call sites, so a request pays one cached check per span and nothing else.
+//! - [`head`]: the sampling decision, made before any span exists, so that a request that will
+//!   not be recorded costs no span (only sampled requests pay for their spans).
+//! - [`set_parent`] and [`trace_headers`]: W3C `traceparent`/`tracestate` read from a request and
+//!   written towards the next hop.
+//! - [`receiver`] (feature `receiver`): an in-process OTLP trace receiver for tests and benches.
+//!
+//! Request spans are ordinary `tracing` spans with `target: otel::TARGET`; crates below this one
+//! (the scheduler) use the same literal target so their spans join the trace without depending
+//! on OpenTelemetry.
+
+mod args;
+mod head;
+mod propagate;
+#[cfg(feature = "receiver")]
+pub mod receiver;
+mod setup;
+
+pub use args::{ArgsError, TracingArgs};
+pub use head::{Head, head};
+pub use propagate::{set_parent, trace_headers};
+pub use setup::{InitError, Telemetry, dispatch, init};
+
+/// The `tracing` target of every span exported as part of a request's trace.
+pub const TARGET: &str = "kvgate::trace";

@@ -1,0 +1,188 @@
+//! A request's trace through the real picker, exported to an in-process OTLP receiver: the
+//! caller's W3C context is continued, every stage is a span, the engine is handed this request's
+//! span as its parent, and TTFT/ITL land on the request span.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_events::key::SaltStyle;
+use kv_index::{IndexConfig, KvIndex};
+use otel::receiver::{ReceivedSpan, Receiver};
+use scheduler::{Endpoint, InflightTracker, LoadBook, Scheduler, SchedulerConfig};
+
+use super::stream::tests::{duplex, req_body, req_headers, resp_body, resp_headers, set_headers};
+use super::{ExtProcStream, Router, StreamConfig};
+use crate::discovery::Datastore;
+use crate::routing::keys::Keyer;
+use crate::routing::picker::Picker;
+
+const CALLER_TRACE: &str = "5b8efff798038103d269b633813fc60c";
+const CALLER_SPAN: &str = "eee19b7ec3c1b174";
+
+fn picker() -> Picker {
+    let ds = Arc::new(Datastore::new());
+    let eps = (0..3u8)
+        .map(|i| {
+            let key = (format!("pod-{i}"), 8000);
+            let id = ds.id_for(&key);
+            let addr = format!("10.0.0.{i}:8000").parse().unwrap();
+            (key, Endpoint::new(id, addr))
+        })
+        .collect();
+    ds.replace(eps);
+    Picker::new(
+        Keyer::new(4, SaltStyle::VllmExtraKey, "m"),
+        Scheduler::new(SchedulerConfig::default(), 7).unwrap(),
+        Arc::new(KvIndex::new(IndexConfig::default()).unwrap()),
+        Arc::new(InflightTracker::new()),
+        Arc::new(LoadBook::new()),
+        ds,
+    )
+}
+
+fn named<'a>(spans: &'a [ReceivedSpan], name: &str) -> &'a ReceivedSpan {
+    spans
+        .iter()
+        .find(|s| s.name == name)
+        .unwrap_or_else(|| panic!("no {name} span in {spans:#?}"))
+}
+
+/// Runs one streamed completion through a stream on `router`, under `dispatch`; returns the
+/// headers the EPP set towards the engine.
+fn one_request(
+    dispatch: &tracing::Dispatch,
+    router: Arc<dyn Router>,
+    headers: &[(&str, &str)],
+) -> std::collections::HashMap<String, String> {
+    tracing::dispatcher::with_default(dispatch, || {
+        let mut s = ExtProcStream::new(router, Arc::new(StreamConfig::default()));
+        let mut head = vec![
+            (":method", "POST"),
+            (":path", "/v1/completions"),
+            ("content-type", "application/json"),
+            ("x-request-id", "req-traced"),
+        ];
+        head.extend_from_slice(headers);
+        let mut first = req_headers(&head, false);
+        first.protocol_config = duplex();
+        assert!(s.on_message(first).unwrap().is_empty());
+        let body = br#"{"model":"m","prompt":"one two three four five six seven eight nine","stream":true}"#;
+        let out = s.on_message(req_body(body, true)).unwrap();
+        let set = set_headers(&out[0]);
+        s.on_message(resp_headers("200", "text/event-stream", false, None))
+            .unwrap();
+        s.on_message(resp_body(
+            b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n",
+            false,
+        ))
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+        let usage = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":4}}\n\ndata: [DONE]\n\n";
+        s.on_message(resp_body(usage, true)).unwrap();
+        s.finish();
+        set
+    })
+}
+
+#[test]
+fn a_traced_request_continues_the_callers_trace_through_every_stage() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let receiver = runtime.block_on(Receiver::start()).unwrap();
+    let args = otel::TracingArgs {
+        otlp_endpoint: Some(receiver.endpoint()),
+        trace_sample_ratio: 1.0,
+        otel_service_name: None,
+    };
+    let (dispatch, telemetry) = {
+        let _rt = runtime.enter();
+        otel::dispatch("kvgate-epp", &args).unwrap()
+    };
+    let router: Arc<dyn Router> = Arc::new(picker());
+    let caller = format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01");
+    let set = one_request(&dispatch, Arc::clone(&router), &[("traceparent", &caller)]);
+    telemetry.shutdown();
+    let spans = receiver.spans();
+
+    let request = named(&spans, "epp.request");
+    assert_eq!(request.service, "kvgate-epp");
+    assert_eq!(request.trace_id, CALLER_TRACE);
+    assert_eq!(request.parent_span_id, CALLER_SPAN);
+    assert_eq!(request.attr("request_id"), Some("req-traced"));
+    assert_eq!(request.attr("outcome"), Some("completed"));
+    assert_eq!(request.attr("http.response.status_code"), Some("200"));
+    assert_eq!(request.attr("completion_tokens"), Some("4"));
+    let ttft: f64 = request.attr("ttft_ms").unwrap().parse().unwrap();
+    let itl: f64 = request.attr("itl_ms").unwrap().parse().unwrap();
+    assert!(
+        ttft >= 0.0 && itl >= 30.0 / 3.0,
+        "ttft {ttft} ms, itl {itl} ms"
+    );
+
+    // The stages, each under the request (the scheduler's under the pick).
+    for stage in ["parse", "tokenize", "pick", "first_token", "decode"] {
+        let s = named(&spans, stage);
+        assert_eq!(s.trace_id, CALLER_TRACE, "{stage}");
+        assert_eq!(
+            s.parent_span_id, request.span_id,
+            "{stage} under epp.request"
+        );
+    }
+    let pick = named(&spans, "pick");
+    for stage in ["index_lookup", "score"] {
+        assert_eq!(named(&spans, stage).parent_span_id, pick.span_id, "{stage}");
+    }
+    let tokenize = named(&spans, "tokenize");
+    assert!(tokenize.attr("prompt_tokens").is_some_and(|t| t != "0"));
+    assert_eq!(tokenize.attr("stopped_early"), Some("false"));
+    let primary = pick.attr("endpoint").unwrap();
+    assert!(primary.starts_with("10.0.0."), "{primary}");
+    assert!(
+        request.attr("endpoints").unwrap().starts_with(primary),
+        "the primary, then its fallbacks"
+    );
+    assert_eq!(named(&spans, "decode").attr("completion_tokens"), Some("4"));
+
+    // The engine's parent is this request's span, sampled as the caller asked.
+    assert_eq!(
+        set["traceparent"],
+        format!("00-{CALLER_TRACE}-{}-01", request.span_id)
+    );
+}
+
+#[test]
+fn an_unsampled_callers_request_gets_no_span_and_keeps_its_context() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let receiver = runtime.block_on(Receiver::start()).unwrap();
+    let args = otel::TracingArgs {
+        otlp_endpoint: Some(receiver.endpoint()),
+        trace_sample_ratio: 1.0,
+        otel_service_name: None,
+    };
+    let (dispatch, telemetry) = {
+        let _rt = runtime.enter();
+        otel::dispatch("kvgate-epp", &args).unwrap()
+    };
+    let caller = format!("00-{CALLER_TRACE}-{CALLER_SPAN}-00");
+    let set = one_request(&dispatch, Arc::new(picker()), &[("traceparent", &caller)]);
+    telemetry.shutdown();
+    assert!(
+        !set.contains_key("traceparent"),
+        "left as the caller sent it: {set:?}"
+    );
+    assert!(
+        receiver.spans().iter().all(|s| s.trace_id != CALLER_TRACE),
+        "{:#?}",
+        receiver.spans()
+    );
+}
+
+#[test]
+fn without_a_collector_nothing_is_traced_and_the_callers_header_passes_through() {
+    let args = otel::TracingArgs::default();
+    let (dispatch, telemetry) = otel::dispatch("kvgate-epp", &args).unwrap();
+    assert!(!telemetry.exporting());
+    let router: Arc<dyn Router> = Arc::new(picker());
+    let caller = format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01");
+    let set = one_request(&dispatch, router, &[("traceparent", &caller)]);
+    assert!(!set.contains_key("traceparent"), "{set:?}");
+}
