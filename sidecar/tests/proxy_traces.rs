@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use otel::receiver::{ReceivedSpan, Receiver};
 use serde_json::json;
-use support::{Sidecar, Sim};
+use support::{PREFILLER, Sidecar, Sim, TempDir, prompt};
 
 const CALLER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CALLER_SPAN: &str = "00f067aa0ba902b7";
@@ -68,6 +68,9 @@ fn tracing_flags(receiver: &Receiver) -> Vec<String> {
         receiver.endpoint(),
         "--trace-sample-ratio".into(),
         "1".into(),
+        // Nothing is in flight when the tests stop a sidecar.
+        "--drain-grace-seconds".into(),
+        "0".into(),
     ]
 }
 
@@ -220,4 +223,55 @@ fn a_migration_is_a_span_and_the_engine_that_finishes_continues_from_it() {
         .find(|s| s.name == "sidecar.proxy" && s.parent_span_id == migrate.span_id)
         .expect("the spare sidecar continues the trace from the migration's span");
     assert_eq!(second.trace_id, CALLER_TRACE);
+}
+
+#[test]
+fn a_prefill_leg_is_a_span_and_the_prefillers_sidecar_continues_from_it() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let receiver = runtime.block_on(Receiver::start()).unwrap();
+    let flags = tracing_flags(&receiver);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let prefill = Sim::start("prefill-0", &[]);
+    let decode = Sim::start("decode-0", &[]);
+    let mut prefiller = Sidecar::start(prefill.port, &flags, true);
+    let dir = TempDir::new("pd-trace");
+    let list = dir.write(
+        "pool.yaml",
+        &format!(
+            "endpoints:\n  - name: prefill-0\n    address: 127.0.0.1\n    ports: [{}]\n    role: prefill\n",
+            prefiller.port
+        ),
+    );
+    let mut decode_flags = flags.clone();
+    decode_flags.extend(["--prefiller-allow-list", list.to_str().unwrap()]);
+    let mut sidecar = Sidecar::start(decode.port, &decode_flags, true);
+    let body = json!({"model": "m", "prompt": prompt(120), "max_tokens": 4, "ignore_eos": true});
+    let at = format!("127.0.0.1:{}", prefiller.port);
+    let r = sidecar.post(
+        "/v1/completions",
+        &[(PREFILLER, at.as_str()), ("traceparent", &caller())],
+        &body,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    stop(&mut sidecar);
+    stop(&mut prefiller);
+
+    let spans = runtime.block_on(receiver.wait_for(Duration::from_secs(10), |s| {
+        s.iter().filter(|s| s.name == "sidecar.proxy").count() >= 2
+            && s.iter().any(|s| s.name == "prefill")
+    }));
+    let decode_span = spans
+        .iter()
+        .find(|s| s.name == "sidecar.proxy" && s.parent_span_id == CALLER_SPAN)
+        .unwrap_or_else(|| panic!("no decode-side span: {spans:#?}"));
+    assert_eq!(decode_span.attr("mode"), Some("pd"));
+    let leg = named(&spans, "prefill");
+    assert_eq!(leg.parent_span_id, decode_span.span_id);
+    assert_eq!(leg.attr("prefiller"), Some(at.as_str()));
+    let prefill_side = spans
+        .iter()
+        .find(|s| s.name == "sidecar.proxy" && s.parent_span_id == leg.span_id)
+        .expect("the prefiller's sidecar continues from the prefill span");
+    assert_eq!(prefill_side.trace_id, CALLER_TRACE);
+    assert_eq!(prefill_side.attr("mode"), Some("passthrough"));
 }

@@ -121,6 +121,19 @@ pub async fn handle(
     resp
 }
 
+/// A span under a traced request's span, made by `make`; none for an untraced request (a
+/// `parent: none` span would start a trace of its own).
+pub(super) fn child_span(
+    request: &tracing::Span,
+    make: impl FnOnce(&tracing::Span) -> tracing::Span,
+) -> tracing::Span {
+    if request.is_disabled() {
+        tracing::Span::none()
+    } else {
+        make(request)
+    }
+}
+
 /// The request's span in the sidecar (target [`otel::TARGET`]): a child of the trace the EPP
 /// (or the client) started, per the request's `traceparent`; it ends with the response body.
 /// The request's `traceparent`/`tracestate` are replaced by this span's, so the engine, a
@@ -328,15 +341,33 @@ async fn pd(
 
     let prefill_body = Bytes::from(rewrite::to_bytes(&rewrite::prefill_request(api, &original)));
     let path = parts.uri.path().to_owned();
+    // A traced request's prefill leg is a span of its own, and the prefiller continues from it.
+    let span = child_span(
+        guard.span(),
+        |parent| tracing::info_span!(target: otel::TARGET, parent: parent, "prefill", %prefiller),
+    );
+    let traced_headers;
+    let headers = if span.is_disabled() {
+        &parts.headers
+    } else {
+        let mut h = parts.headers.clone();
+        for (name, value) in otel::trace_headers(&span) {
+            if let Ok(v) = HeaderValue::from_str(&value) {
+                h.insert(name, v);
+            }
+        }
+        traced_headers = h;
+        &traced_headers
+    };
     let call = prefill::Call {
         prefiller,
         path: &path,
-        headers: &parts.headers,
+        headers,
         body: prefill_body,
     };
     let (outcome, waited) =
         prefill::run::<Nixl>(&state.client, &state.prefill, &state.metrics, call)
-            .instrument(tracing::info_span!(target: otel::TARGET, "prefill", %prefiller))
+            .instrument(span)
             .await;
     let params = match outcome? {
         Prefilled::Ready(p) => p,

@@ -212,16 +212,18 @@ impl Pump<'_> {
             };
             self.attempts += 1;
             metrics.migration_attempt();
-            let span = tracing::info_span!(
-                target: otel::TARGET,
-                parent: &self.trace,
-                "migrate",
-                %target,
-                attempt = self.attempts,
-                generated_tokens = self.progress.tokens,
-                why,
-                outcome = tracing::field::Empty,
-            );
+            let span = super::handler::child_span(&self.trace, |parent| {
+                tracing::info_span!(
+                    target: otel::TARGET,
+                    parent: parent,
+                    "migrate",
+                    %target,
+                    attempt = self.attempts,
+                    generated_tokens = self.progress.tokens,
+                    why,
+                    outcome = tracing::field::Empty,
+                )
+            });
             let trace = otel::trace_headers(&span);
             let sent = send(&self.state.client, target, &self.req, &trace, body.clone())
                 .instrument(span.clone())
