@@ -84,8 +84,14 @@ fn one_request(
     })
 }
 
-#[test]
-fn a_traced_request_continues_the_callers_trace_through_every_stage() {
+/// The EPP's subscriber exporting every trace to a fresh in-process receiver (the runtime
+/// carries both).
+fn exporting() -> (
+    tokio::runtime::Runtime,
+    Receiver,
+    tracing::Dispatch,
+    otel::Telemetry,
+) {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let receiver = runtime.block_on(Receiver::start()).unwrap();
     let args = otel::TracingArgs {
@@ -97,6 +103,12 @@ fn a_traced_request_continues_the_callers_trace_through_every_stage() {
         let _rt = runtime.enter();
         otel::dispatch("kvgate-epp", &args).unwrap()
     };
+    (runtime, receiver, dispatch, telemetry)
+}
+
+#[test]
+fn a_traced_request_continues_the_callers_trace_through_every_stage() {
+    let (_runtime, receiver, dispatch, telemetry) = exporting();
     let router: Arc<dyn Router> = Arc::new(picker());
     let caller = format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01");
     let set = one_request(&dispatch, Arc::clone(&router), &[("traceparent", &caller)]);
@@ -151,17 +163,7 @@ fn a_traced_request_continues_the_callers_trace_through_every_stage() {
 
 #[test]
 fn an_unsampled_callers_request_gets_no_span_and_keeps_its_context() {
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    let receiver = runtime.block_on(Receiver::start()).unwrap();
-    let args = otel::TracingArgs {
-        otlp_endpoint: Some(receiver.endpoint()),
-        trace_sample_ratio: 1.0,
-        otel_service_name: None,
-    };
-    let (dispatch, telemetry) = {
-        let _rt = runtime.enter();
-        otel::dispatch("kvgate-epp", &args).unwrap()
-    };
+    let (_runtime, receiver, dispatch, telemetry) = exporting();
     let caller = format!("00-{CALLER_TRACE}-{CALLER_SPAN}-00");
     let set = one_request(&dispatch, Arc::new(picker()), &[("traceparent", &caller)]);
     telemetry.shutdown();

@@ -283,6 +283,7 @@ impl Picker {
         input: &RoutingInput<'_>,
         ticket: u64,
         endpoints: &[Endpoint],
+        traced: bool,
     ) -> Result<Prepared, (Rejection, String)> {
         let api = Api::of_path(input.path);
         let (Some(body), Api::Completions | Api::Chat) = (input.body, api) else {
@@ -293,7 +294,6 @@ impl Picker {
                 body: None,
             });
         };
-        let traced = trace::active();
         let parsing = trace::parse(traced, body.len()).entered();
         let parsed = request::parse(api, body)
             .map_err(|e| (Rejection::BadRequest(e.to_string()), String::new()))?;
@@ -381,7 +381,9 @@ impl Router for Picker {
         let started = Instant::now();
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
         let endpoints = self.health.mask(self.datastore.snapshot());
-        let prepared = match self.prepare(&input, ticket, &endpoints) {
+        // Stage spans only under a traced request's span (one look at the current span).
+        let traced = trace::active();
+        let prepared = match self.prepare(&input, ticket, &endpoints, traced) {
             Ok(p) => p,
             Err((rejection, model)) => return Err(self.reject(rejection, &model)),
         };
@@ -426,7 +428,7 @@ impl Router for Picker {
             now: self.now(),
         };
         let scheduling = Instant::now();
-        let picking = trace::pick(trace::active(), endpoints.len()).entered();
+        let picking = trace::pick(traced, endpoints.len()).entered();
         let scheduled =
             self.scheduler
                 .route(&req, &endpoints, &self.index, &self.inflight, &self.loads);
