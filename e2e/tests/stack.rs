@@ -688,6 +688,147 @@ fn an_offloaded_prefix_is_routed_back_to_the_engine_holding_it_in_host_memory() 
     finish(stack);
 }
 
+/// The block manager in the data path: every simulator offloads the blocks it caches to the
+/// node's `kvgate-kvbm`; a prefix evicted from an engine's GPU is onboarded back from the
+/// daemon (cached tokens in the response) by whichever engine of the node gets it, and the EPP
+/// credits the node's host tier for it.
+#[test]
+fn a_prefix_evicted_from_a_gpu_is_onboarded_from_the_block_manager_by_any_engine_of_the_node() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // 47 usable GPU blocks of 16 tokens: one ~40-block prompt fits, two do not. The daemon's
+    // 1 GiB of host memory holds 512 of the `small` preset's 2 MiB blocks.
+    let mut stack = start(StackConfig {
+        engines: 2,
+        engine_args: ["--num-gpu-blocks", "48", "--max-model-len", "752"]
+            .map(String::from)
+            .to_vec(),
+        subset_header: true,
+        kvbm: Some(KvbmConfig {
+            remote_bytes: 256 << 20,
+            ..KvbmConfig::default()
+        }),
+        ..StackConfig::default()
+    });
+    let listed = stack.endpoints();
+    let holder = listed[0].clone();
+    let pin = |to: &str| [("x-gateway-destination-endpoint-subset", to.to_owned())];
+    let pinned = |stack: &Stack, body: &serde_json::Value, to: &str| {
+        let h = pin(to);
+        let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        send(stack, body, &h)
+    };
+    let system = long_system("kvbm");
+    let first = pinned(&stack, &chat(&system, "question 0", 4, false), &holder);
+    assert!(first.ok(), "{first:?}");
+    assert_eq!(first.cached_tokens(), 0);
+    // Fill that engine's GPU with other prompts, so every block of the first prompt is
+    // evicted from it and stays only in the block manager.
+    for i in 0..3 {
+        let r = pinned(
+            &stack,
+            &chat(&long_system(&format!("filler {i}")), "q", 4, false),
+            &holder,
+        );
+        assert!(r.ok(), "{r:?}");
+    }
+    let sim = |stack: &Stack, i: usize, name: &str| {
+        let page = stack.engine_metrics(i).unwrap();
+        probe::metric_sum(&page, name).unwrap_or_else(|| panic!("no {name} in {page}"))
+    };
+    assert_eq!(sim(&stack, 0, "kvgate_sim_kvbm_connected"), 1.0);
+    // Four prompts of ~39 full blocks each (offloads run behind the engine: wait for them).
+    wait_for(
+        "the holder to offload every block it cached",
+        Duration::from_secs(5),
+        || sim(&stack, 0, "kvgate_sim_kvbm_offloaded_blocks_total") >= 4.0 * 36.0,
+    );
+    assert_eq!(
+        sim(&stack, 0, "kvgate_sim_kvbm_offload_dropped_blocks_total"),
+        0.0
+    );
+    // Past the speculative entries' 2 s TTL (and the 500 ms expiry tick): what credits the
+    // prefix now is the daemon's events for the node.
+    std::thread::sleep(Duration::from_millis(2_700));
+    let hit_before = epp_metric(&stack, "kvgate_epp_prompt_blocks_hit_total");
+    let again = send(&stack, &chat(&system, "question 1", 4, false), &[]);
+    assert!(again.ok(), "{again:?}");
+    assert!(
+        again.cached_tokens() >= 512,
+        "{} cached tokens",
+        again.cached_tokens()
+    );
+    let credited = epp_metric(&stack, "kvgate_epp_prompt_blocks_hit_total") - hit_before;
+    assert!(
+        credited >= 32.0,
+        "the EPP credits the node's host tier: {credited} blocks"
+    );
+    let served = listed.iter().position(|e| e == again.upstream()).unwrap();
+    let onboarded = |stack: &Stack, i: usize| {
+        let page = stack.engine_metrics(i).unwrap();
+        page.lines()
+            .find_map(|l| {
+                l.strip_prefix("kvgate_sim_kvbm_onboarded_blocks_total{tier=\"host\"} ")?
+                    .parse::<f64>()
+                    .ok()
+            })
+            .unwrap_or(0.0)
+    };
+    assert!(
+        onboarded(&stack, served) >= 32.0,
+        "{}",
+        onboarded(&stack, served)
+    );
+    assert!(
+        sim(&stack, served, "kvgate_sim_host_hit_tokens_total") >= 512.0,
+        "the loaded tokens were not computed"
+    );
+    // The node's other engine, whose GPU does not hold the prompt, onboards it too.
+    let other = 1 - served;
+    let before = onboarded(&stack, other);
+    let third = pinned(
+        &stack,
+        &chat(&system, "question 2", 4, false),
+        &listed[other],
+    );
+    assert!(third.ok(), "{third:?}");
+    assert!(third.cached_tokens() >= 512, "{third:?}");
+    assert!(
+        onboarded(&stack, other) >= before + 32.0,
+        "{}",
+        onboarded(&stack, other)
+    );
+    assert_eq!(
+        sim(&stack, other, "kvgate_sim_kvbm_corrupt_blocks_total"),
+        0.0
+    );
+    // The daemon dies while the engines run: requests still succeed (the engines compute what
+    // they cannot load), and the connectors reconnect to its successor.
+    stack.kill(Component::Kvbm).unwrap();
+    for i in 0..3 {
+        let r = pinned(
+            &stack,
+            &chat(&long_system(&format!("away {i}")), "q", 4, false),
+            &holder,
+        );
+        assert!(r.ok(), "with the daemon away: {r:?}");
+    }
+    assert!(sim(&stack, 0, "kvgate_sim_kvbm_errors_total") >= 1.0);
+    assert_eq!(sim(&stack, 0, "kvgate_sim_kvbm_connected"), 0.0);
+    stack.restart(Component::Kvbm).unwrap();
+    let mut n = 0;
+    wait_for(
+        "the connector to reconnect to the restarted daemon",
+        Duration::from_secs(10),
+        || {
+            n += 1;
+            let r = pinned(&stack, &chat(&format!("after {n}"), "q", 4, false), &holder);
+            assert!(r.ok(), "{r:?}");
+            sim(&stack, 0, "kvgate_sim_kvbm_connected") == 1.0
+        },
+    );
+    finish(stack);
+}
+
 #[test]
 fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 
 use crate::free_queue::FreeQueue;
 use crate::host_cache::HostCache;
+use crate::offload::{Lookup, LookupRequest, Offload, OffloadTier};
 use crate::{BlockId, CacheEvent, RequestId};
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -35,8 +36,8 @@ pub(crate) struct BlockPool {
     /// reads them on every submission and metrics scrape, with pools of 10⁵–10⁶ blocks).
     num_cached: usize,
     caching: bool,
-    /// The offloading connector's host tier (write-through; empty when off).
-    host: HostCache,
+    /// The offloading connector's tier (write-through; none when off).
+    offload: Option<Box<dyn OffloadTier>>,
     events: Vec<CacheEvent>,
 }
 
@@ -55,29 +56,52 @@ impl BlockPool {
             cached: HashMap::new(),
             num_cached: 0,
             caching,
-            host: HostCache::new(if caching { num_host_blocks } else { 0 }),
+            offload: (caching && num_host_blocks > 0)
+                .then(|| Box::new(HostCache::new(num_host_blocks)) as Box<dyn OffloadTier>),
             events: Vec::new(),
         }
     }
 
-    /// How many of `hashes`, from the first, the host tier holds (at most `max`); makes them its
-    /// most recent (a load is a use).
-    pub(crate) fn host_hits(&mut self, hashes: &[u64], max: usize) -> usize {
-        let n = self.host.leading(hashes, max);
-        for &h in hashes.iter().take(n) {
-            self.host.touch(h);
+    /// Replaces the offloading connector's tier (only with prefix caching on: without it
+    /// nothing is cached, so nothing is offloaded; `tier` is then dropped).
+    pub(crate) fn set_offload(&mut self, tier: Box<dyn OffloadTier>) {
+        if self.caching {
+            self.offload = Some(tier);
         }
-        n
     }
 
-    /// Blocks in the host tier.
+    /// Whether an offloading tier is set.
+    pub(crate) fn offloading(&self) -> bool {
+        self.offload.is_some()
+    }
+
+    /// Asks the offloading tier which leading blocks of `request.hashes` it loads (none
+    /// without a tier).
+    pub(crate) fn offload_lookup(&mut self, request: LookupRequest<'_>) -> Lookup {
+        match &mut self.offload {
+            Some(tier) if !request.hashes.is_empty() => tier.lookup(request),
+            _ => Lookup::Found(crate::offload::Sources::default()),
+        }
+    }
+
+    /// Tells the offloading tier a request is gone.
+    pub(crate) fn offload_finished(&mut self, request: RequestId) {
+        if let Some(tier) = &mut self.offload {
+            tier.finished(request);
+        }
+    }
+
+    /// Blocks in the offloading tier (for this engine).
     pub(crate) fn num_host(&self) -> usize {
-        self.host.len()
+        self.offload.as_ref().map_or(0, |t| t.len())
     }
 
-    /// Every hash in the host tier, sorted.
+    /// Every hash in the offloading tier (for this engine), sorted.
     pub(crate) fn host_hashes(&self) -> Vec<u64> {
-        self.host.hashes()
+        self.offload
+            .as_ref()
+            .map(|t| t.hashes())
+            .unwrap_or_default()
     }
 
     /// Blocks that requests can use (all but the null block).
@@ -198,7 +222,8 @@ impl BlockPool {
             return;
         };
         let mut stored = Vec::with_capacity(new_hashes.len());
-        for (&id, &hash) in ids.iter().zip(new_hashes) {
+        let mut indices = Vec::with_capacity(new_hashes.len());
+        for (i, (&id, &hash)) in ids.iter().zip(new_hashes).enumerate() {
             let Some(block) = self.blocks.get_mut(id as usize) else {
                 continue;
             };
@@ -209,6 +234,7 @@ impl BlockPool {
             self.cached.entry(hash).or_default().push(id);
             self.num_cached += 1;
             stored.push(hash);
+            indices.push(from + i);
         }
         if stored.is_empty() {
             return;
@@ -221,7 +247,7 @@ impl BlockPool {
             .unwrap_or_default();
         // Write-through: the offloading connector copies what the GPU just cached (after the
         // GPU's `Stored`, which gives consumers the blocks' tokens).
-        let copies = self.host.enabled().then(|| stored.clone());
+        let copies = self.offload.is_some().then(|| stored.clone());
         self.events.push(CacheEvent::Stored {
             hashes: stored,
             parent,
@@ -229,8 +255,16 @@ impl BlockPool {
             request: req.id,
             first_block_index: u32::try_from(from).unwrap_or(u32::MAX),
         });
-        if let Some(copies) = copies {
-            self.host.store(&copies, &mut self.events);
+        if let (Some(copies), Some(tier)) = (copies, &mut self.offload) {
+            tier.offload(
+                Offload {
+                    request: req.id,
+                    indices: &indices,
+                    hashes: &copies,
+                    tokens: req.tokens,
+                },
+                &mut self.events,
+            );
         }
     }
 
@@ -245,7 +279,9 @@ impl BlockPool {
         }
         self.cached.clear();
         self.num_cached = 0;
-        self.host.clear();
+        if let Some(tier) = &mut self.offload {
+            tier.clear();
+        }
         self.events.push(CacheEvent::Cleared);
         true
     }

@@ -36,6 +36,14 @@ pub struct EngineConfig {
     /// Bytes/s at which offloaded blocks load back into GPU memory (PCIe host → device).
     #[serde(default = "default_host_load_bandwidth")]
     pub host_load_bandwidth: u64,
+    /// Bytes/s at which offloaded blocks load from a node's local disk tier (NVMe read, with
+    /// GPUDirect Storage or through host memory).
+    #[serde(default = "default_disk_load_bandwidth")]
+    pub disk_load_bandwidth: u64,
+    /// Bytes/s at which offloaded blocks load from a remote store (Redis, S3) over the node's
+    /// network.
+    #[serde(default = "default_remote_load_bandwidth")]
+    pub remote_load_bandwidth: u64,
     /// Analysis only, no real engine has it: prefill chunks cost no compute and no KV reads
     /// (a prefilling sequence still takes its slot in the step, and a step with only prefill
     /// still streams the weights). A run with it bounds what any placement could gain by
@@ -55,6 +63,20 @@ pub(crate) const PCIE5_H2D_BYTES_PER_S: u64 = 50_000_000_000;
 
 fn default_host_load_bandwidth() -> u64 {
     PCIE5_H2D_BYTES_PER_S
+}
+
+/// One PCIe Gen4 NVMe drive's sequential read, as achieved (~7 GB/s rated).
+pub(crate) const NVME_READ_BYTES_PER_S: u64 = 6_000_000_000;
+
+/// A 25 Gb/s node network, as achieved by one client of a store.
+pub(crate) const REMOTE_READ_BYTES_PER_S: u64 = 2_500_000_000;
+
+fn default_disk_load_bandwidth() -> u64 {
+    NVME_READ_BYTES_PER_S
+}
+
+fn default_remote_load_bandwidth() -> u64 {
+    REMOTE_READ_BYTES_PER_S
 }
 
 /// A configuration the engine cannot run with.
@@ -125,6 +147,8 @@ impl EngineConfig {
             ("kv_bytes_per_token", self.kv_bytes_per_token),
             ("kv_transfer_bandwidth", self.kv_transfer_bandwidth),
             ("host_load_bandwidth", self.host_load_bandwidth),
+            ("disk_load_bandwidth", self.disk_load_bandwidth),
+            ("remote_load_bandwidth", self.remote_load_bandwidth),
         ] {
             if value == 0 {
                 return Err(ConfigError::Zero { field });

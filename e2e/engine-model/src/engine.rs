@@ -72,6 +72,18 @@ impl Engine {
         })
     }
 
+    /// An idle engine whose offloading connector keeps its blocks in `tier` (instead of the
+    /// host memory `num_host_blocks` sizes). Without prefix caching nothing is offloaded and
+    /// `tier` is dropped.
+    pub fn with_offload(
+        config: EngineConfig,
+        tier: Box<dyn crate::OffloadTier>,
+    ) -> Result<Self, ConfigError> {
+        let mut engine = Self::new(config)?;
+        engine.pool.set_offload(tier);
+        Ok(engine)
+    }
+
     /// The configuration.
     pub fn config(&self) -> &EngineConfig {
         &self.config
@@ -321,6 +333,7 @@ impl Engine {
             return false;
         };
         self.pool.free_blocks(&req.blocks);
+        self.pool.offload_finished(id);
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
         true

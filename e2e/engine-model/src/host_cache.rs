@@ -15,6 +15,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::CacheEvent;
+use crate::offload::{Lookup, LookupRequest, Offload, OffloadTier, Sources};
 
 /// The host tier's blocks in least-recently-used order.
 #[derive(Debug, Default)]
@@ -34,16 +35,6 @@ impl HostCache {
             capacity: capacity as usize,
             ..Self::default()
         }
-    }
-
-    /// Whether offloading is on.
-    pub(crate) fn enabled(&self) -> bool {
-        self.capacity > 0
-    }
-
-    /// Blocks held.
-    pub(crate) fn len(&self) -> usize {
-        self.stamp.len()
     }
 
     /// Whether `hash` is held (does not change recency).
@@ -74,7 +65,7 @@ impl HostCache {
     /// reports the changes: one `HostStored` for the blocks new here, then one `HostRemoved`
     /// per dropped block.
     pub(crate) fn store(&mut self, hashes: &[u64], events: &mut Vec<CacheEvent>) {
-        if !self.enabled() {
+        if self.capacity == 0 {
             return;
         }
         let mut added = Vec::new();
@@ -102,15 +93,35 @@ impl HostCache {
             });
         }
     }
+}
+
+impl OffloadTier for HostCache {
+    fn offload(&mut self, blocks: Offload<'_>, events: &mut Vec<CacheEvent>) {
+        self.store(blocks.hashes, events);
+    }
+
+    fn lookup(&mut self, request: LookupRequest<'_>) -> Lookup {
+        let n = self.leading(request.hashes, request.hashes.len());
+        for &h in request.hashes.iter().take(n) {
+            self.touch(h);
+        }
+        Lookup::Found(Sources {
+            host: n,
+            ..Sources::default()
+        })
+    }
 
     /// Drops everything (no event: the caller reports one `Cleared` for every tier).
-    pub(crate) fn clear(&mut self) {
+    fn clear(&mut self) {
         self.stamp.clear();
         self.order.clear();
     }
 
-    /// Every held hash, sorted.
-    pub(crate) fn hashes(&self) -> Vec<u64> {
+    fn len(&self) -> usize {
+        self.stamp.len()
+    }
+
+    fn hashes(&self) -> Vec<u64> {
         let mut out: Vec<u64> = self.stamp.keys().copied().collect();
         out.sort_unstable();
         out

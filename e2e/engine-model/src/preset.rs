@@ -125,6 +125,8 @@ impl Preset {
             // Offloading is a deployment choice (`--kv-offloading-size`): off in every preset.
             num_host_blocks: 0,
             host_load_bandwidth: crate::config::PCIE5_H2D_BYTES_PER_S,
+            disk_load_bandwidth: crate::config::NVME_READ_BYTES_PER_S,
+            remote_load_bandwidth: crate::config::REMOTE_READ_BYTES_PER_S,
             free_prefill: false,
             cost,
         }

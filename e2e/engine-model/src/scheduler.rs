@@ -21,6 +21,7 @@
 
 use crate::block_pool::{BlockPool, CacheRequest};
 use crate::engine::Engine;
+use crate::offload::{Lookup, LookupRequest, Sources};
 use crate::request::{Phase, Request};
 use crate::{Nanos, RequestId};
 
@@ -258,10 +259,12 @@ impl Engine {
             if let Some(remote) = req.remote_prefill {
                 let target = (remote as usize).min(req.prompt_len - 1) / block_size * block_size;
                 if target > hits.len() * block_size {
+                    let bytes = (target - hits.len() * block_size) as u128
+                        * u128::from(self.config.kv_bytes_per_token);
                     let load = Load {
                         hits,
                         target,
-                        bandwidth: self.config.kv_transfer_bandwidth,
+                        wait: transfer_time(bytes, self.config.kv_transfer_bandwidth),
                     };
                     // Blocked: the pull is tried again next step.
                     let admission = start_load(&mut self.pool, req, load, &self.config, now);
@@ -271,24 +274,36 @@ impl Engine {
                     return admission;
                 }
                 req.remote_prefill = None;
-            } else if self.pool.caching() {
-                // The offloading connector's host tier: the blocks right after the GPU hit
-                // that it holds load before the request is scheduled (vLLM's
-                // `WAITING_FOR_REMOTE_KVS`), and count as computed.
+            } else if self.pool.offloading() {
+                // The offloading connector: the blocks right after the GPU hit that its tier
+                // holds load before the request is scheduled (vLLM's
+                // `WAITING_FOR_REMOTE_KVS`), and count as computed. A tier that does not know
+                // yet keeps the request waiting without blocking the queue.
                 let max_blocks = (req.num_tokens() - 1) / block_size;
                 let after = req.hashes.get(hits.len()..).unwrap_or_default();
-                let host = self
-                    .pool
-                    .host_hits(after, max_blocks.saturating_sub(hits.len()));
-                if host > 0 {
+                let after = after
+                    .get(..max_blocks.saturating_sub(hits.len()).min(after.len()))
+                    .unwrap_or_default();
+                let lookup = self.pool.offload_lookup(LookupRequest {
+                    request: id,
+                    first_block: hits.len(),
+                    hashes: after,
+                    tokens: &req.tokens,
+                });
+                let sources = match lookup {
+                    Lookup::Pending => return Admission::Skipped,
+                    Lookup::Found(s) => s,
+                };
+                let found = sources.blocks().min(after.len());
+                if found > 0 {
                     let load = Load {
-                        target: (hits.len() + host) * block_size,
+                        target: (hits.len() + found) * block_size,
                         hits,
-                        bandwidth: self.config.host_load_bandwidth,
+                        wait: offload_wait(&sources, &self.config),
                     };
                     let admission = start_load(&mut self.pool, req, load, &self.config, now);
                     if matches!(admission, Admission::Skipped) {
-                        self.counters.host_hits += (host * block_size) as u64;
+                        self.counters.host_hits += (found * block_size) as u64;
                     }
                     return admission;
                 }
@@ -339,8 +354,28 @@ struct Load {
     hits: Vec<crate::BlockId>,
     /// Tokens computed once the load is done (whole blocks, beyond the hit).
     target: usize,
-    /// Bytes/s the load runs at.
-    bandwidth: u64,
+    /// How long the bytes take to arrive.
+    wait: Nanos,
+}
+
+/// How long `bytes` take at `bandwidth` bytes/s.
+fn transfer_time(bytes: u128, bandwidth: u64) -> Nanos {
+    let wait = (bytes * 1_000_000_000).div_ceil(u128::from(bandwidth.max(1)));
+    Nanos::try_from(wait).unwrap_or(Nanos::MAX)
+}
+
+/// How long loading blocks from the offload tier's levels takes: one after the other, each
+/// at its own bandwidth (host memory over PCIe, disk, the remote store).
+fn offload_wait(sources: &Sources, config: &crate::EngineConfig) -> Nanos {
+    let block = u128::from(config.kv_bytes_per_token) * u128::from(config.block_size);
+    [
+        (sources.host, config.host_load_bandwidth),
+        (sources.disk, config.disk_load_bandwidth),
+        (sources.remote, config.remote_load_bandwidth),
+    ]
+    .into_iter()
+    .map(|(blocks, bw)| transfer_time(blocks as u128 * block, bw))
+    .fold(0, Nanos::saturating_add)
 }
 
 /// Allocates the blocks `load` fills and puts the request in [`Phase::Transferring`] until its
@@ -367,12 +402,8 @@ fn start_load(
     req.blocks = load.hits;
     req.blocks.extend(new);
     req.num_computed = local;
-    let bytes = (load.target - local) as u128 * u128::from(config.kv_bytes_per_token);
-    let rate = u128::from(load.bandwidth.max(1));
-    let wait = (bytes * 1_000_000_000).div_ceil(rate);
-    let wait = Nanos::try_from(wait).unwrap_or(Nanos::MAX);
     req.phase = Phase::Transferring {
-        ready_at: now.saturating_add(wait),
+        ready_at: now.saturating_add(load.wait),
         target: load.target,
     };
     Admission::Skipped

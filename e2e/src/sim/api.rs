@@ -47,6 +47,8 @@ pub struct App {
     pub metrics: SimMetrics,
     /// Publisher counters, when publishing.
     pub publisher: Option<Arc<PublisherStats>>,
+    /// KV block manager connector counters, with `--kvbm-socket`.
+    pub kvbm: Option<Arc<super::kvbm::KvbmStats>>,
     /// Pod name for the response header.
     pub pod: HeaderValue,
     /// Data-parallel rank for the response header.
@@ -140,6 +142,9 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         &app.driver.lag(),
     );
     app.bootstrap.render(&mut text);
+    if let Some(k) = &app.kvbm {
+        k.render(&mut text);
+    }
     (
         [(
             header::CONTENT_TYPE,

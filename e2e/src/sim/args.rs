@@ -131,6 +131,13 @@ pub struct Args {
     /// The copies are published as KV events with the `CPU` medium. 0: off.
     #[arg(long, default_value_t = 0.0)]
     pub kv_offloading_size: f64,
+    /// Offload to the node's KV block manager (`kvgate-kvbm`) through its connector socket
+    /// instead: every block cached on the GPU is offloaded there (with the preset's real block
+    /// size in bytes), and prompts onboard the blocks it holds, charged at the bandwidth of the
+    /// level they come from (host memory, disk, remote store). The daemon publishes its own KV
+    /// events. Not with --kv-offloading-size; needs prefix caching.
+    #[arg(long, env = "KVGATE_KVBM_SOCKET")]
+    pub kvbm_socket: Option<std::path::PathBuf>,
     /// SGLang P/D role for requests carrying bootstrap_host/port/room: `null` (record them only),
     /// `prefill` (one-token prefill, serve the room) or `decode` (wait for the room, then decode
     /// with the pulled KV).
@@ -202,6 +209,19 @@ impl Args {
         if self.served_names().iter().any(String::is_empty) {
             return Err("model names must not be empty".into());
         }
+        if self.kvbm_socket.is_some() {
+            if self.kv_offloading_size > 0.0 {
+                return Err(
+                    "--kvbm-socket and --kv-offloading-size are two offloading connectors: give one"
+                        .into(),
+                );
+            }
+            if self.no_enable_prefix_caching {
+                return Err(
+                    "--kvbm-socket needs prefix caching (nothing is offloaded without it)".into(),
+                );
+            }
+        }
         Ok(())
     }
 
@@ -232,5 +252,62 @@ impl Args {
         c.set_offloading_gib(self.kv_offloading_size)
             .map_err(|e| format!("--kv-offloading-size: {e}"))?;
         Ok(c)
+    }
+
+    /// The layout registered with the KV block manager: the preset's model and KV dtype, at the
+    /// configured block size, all of the engine's tensor-parallel shards as one block.
+    pub fn kvbm_layout(&self, config: &engine_model::EngineConfig) -> kvgate_kvbm::store::Layout {
+        let d = self.preset.deployment();
+        kvgate_kvbm::store::Layout {
+            model: self.served_names().first().cloned().unwrap_or_default(),
+            dtype: match d.kv_element_bytes {
+                1 => "fp8",
+                4 => "float32",
+                _ => "bfloat16",
+            }
+            .to_owned(),
+            layers: u32::try_from(d.model.layers).unwrap_or(u32::MAX),
+            block_size: config.block_size,
+            block_bytes: config.kv_bytes_per_token * u64::from(config.block_size),
+            shard: 0,
+            shards: 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use clap::Parser as _;
+
+    use super::*;
+
+    fn parse(extra: &[&str]) -> Args {
+        Args::try_parse_from(["kvgate-sim"].iter().chain(extra)).unwrap()
+    }
+
+    #[test]
+    fn the_block_manager_is_one_offloading_connector_and_needs_prefix_caching() {
+        let ok = parse(&["--kvbm-socket", "/run/kvgate/kvbm.sock"]);
+        assert_eq!(ok.validate(), Ok(()));
+        let both = parse(&["--kvbm-socket", "/s", "--kv-offloading-size", "1"]);
+        assert!(both.validate().unwrap_err().contains("give one"));
+        let uncached = parse(&["--kvbm-socket", "/s", "--no-enable-prefix-caching"]);
+        assert!(uncached.validate().unwrap_err().contains("prefix caching"));
+    }
+
+    #[test]
+    fn the_registered_layout_is_the_presets_real_block() {
+        let args = parse(&["--model", "m", "--served-model-name", "served", "other"]);
+        let config = args.engine_config().unwrap();
+        let layout = args.kvbm_layout(&config);
+        // Llama-3.1-8B in BF16: 2 (K, V) × 32 layers × 8 KV heads × 128 × 2 bytes per token.
+        assert_eq!(layout.block_bytes, 2 * 32 * 8 * 128 * 2 * 16);
+        assert_eq!(
+            (layout.model.as_str(), layout.dtype.as_str(), layout.layers),
+            ("served", "bfloat16", 32)
+        );
+        assert_eq!((layout.shard, layout.shards), (0, 1));
+        assert!(layout.validate().is_ok());
     }
 }

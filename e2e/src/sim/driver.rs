@@ -17,6 +17,7 @@ use tokio::sync::{Notify, mpsc};
 
 use super::clock::Clock;
 use super::events::BatchEncoder;
+use super::kvbm::KvbmHandle;
 use super::publisher::Publisher;
 
 /// What a handler asks the engine to run.
@@ -100,7 +101,8 @@ struct Shared {
     busy_until: std::sync::atomic::AtomicU64,
     lag: Arc<LagStats>,
     state: Mutex<State>,
-    wake: Notify,
+    wake: Arc<Notify>,
+    kvbm: Option<KvbmHandle>,
     clock: Clock,
     publisher: Option<Publisher>,
     encoder: BatchEncoder,
@@ -164,6 +166,7 @@ impl Driver {
         publisher: Option<Publisher>,
         encoder: BatchEncoder,
         max_waiting: u32,
+        kvbm: Option<KvbmHandle>,
     ) -> Self {
         let shared = Arc::new(Shared {
             busy_until: std::sync::atomic::AtomicU64::new(0),
@@ -174,7 +177,10 @@ impl Driver {
                 next_id: 1,
                 stopped: false,
             }),
-            wake: Notify::new(),
+            wake: kvbm
+                .as_ref()
+                .map_or_else(|| Arc::new(Notify::new()), |k| Arc::clone(&k.wake)),
+            kvbm,
             clock,
             publisher,
             encoder,
@@ -233,6 +239,10 @@ impl Driver {
                 arrival,
                 kv_transfer: s.kv_transfer,
             })?;
+            // Before the next step, the first that can look the request's blocks up.
+            if let (Some(k), Some(salt)) = (&self.shared.kvbm, &s.salt) {
+                k.set_salt(id, salt.clone());
+            }
             st.sinks.insert(id, Sink { tx, salt: s.salt });
             id
         };

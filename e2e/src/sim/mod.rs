@@ -14,6 +14,7 @@ pub mod clock;
 pub mod driver;
 pub mod events;
 pub mod kv_config;
+pub mod kvbm;
 pub mod metrics;
 pub mod openai;
 pub mod output;
@@ -93,8 +94,25 @@ fn init_tracing() {
 
 async fn serve(args: Args) -> Result<(), SimError> {
     let config = args.engine_config().map_err(config_error)?;
-    let engine = engine_model::Engine::new(config.clone())
-        .map_err(|e| config_error(format!("engine: {e}")))?;
+    let (engine, kvbm) = match &args.kvbm_socket {
+        Some(socket) => {
+            let layout = args.kvbm_layout(&config);
+            tracing::info!(
+                socket = %socket.display(),
+                model = %layout.model,
+                block_bytes = layout.block_bytes,
+                "offloading KV blocks to kvgate-kvbm"
+            );
+            let (tier, handle) = kvbm::KvbmTier::start(kvbm::KvbmConfig {
+                socket: socket.clone(),
+                layout,
+            });
+            let engine = engine_model::Engine::with_offload(config.clone(), Box::new(tier));
+            (engine, Some(handle))
+        }
+        None => (engine_model::Engine::new(config.clone()), None),
+    };
+    let engine = engine.map_err(|e| config_error(format!("engine: {e}")))?;
     let tokenizer = match &args.tokenizer {
         Some(dir) => tokenize::TextTokenizer::from_dir(dir)
             .map_err(|e| SimError::Tokenizer(e.to_string()))?,
@@ -161,6 +179,7 @@ async fn serve(args: Args) -> Result<(), SimError> {
         publisher,
         encoder,
         args.max_waiting,
+        kvbm.clone(),
     );
     let pod = args
         .pod_name
@@ -200,6 +219,7 @@ async fn serve(args: Args) -> Result<(), SimError> {
             config.enable_prefix_caching,
         ),
         publisher: publisher_stats,
+        kvbm: kvbm.map(|h| h.stats),
         pod: HeaderValue::from_str(&pod)
             .map_err(|_| config_error("--pod-name is not a valid header value"))?,
         dp_rank: HeaderValue::from(args.data_parallel_rank),

@@ -438,6 +438,9 @@ impl Stack {
                     "--kv-events-config",
                     &render::kv_events_config(p.events, p.replay),
                 ]);
+                if c.kvbm.is_some() {
+                    args.extend(strings(&["--kvbm-socket", &path("kvbm.sock")]));
+                }
                 args.extend(c.engine_args.iter().cloned());
                 (self.bins.sim.clone(), args, rust_env)
             }
