@@ -45,6 +45,22 @@ pub struct ReplayArgs {
     /// gets the same engines.
     #[arg(long, default_value_t = 0.0)]
     pub kv_offloading_gib: f64,
+    /// Host memory of the node's KV block manager (`kvgate-kvbm`), GiB: all the engines are
+    /// on one node whose daemon takes every block they cache and serves the blocks after a
+    /// prompt's GPU hit to any of them, its tiers credited to every engine (as `kvgate-bench
+    /// up --kvbm` runs it live). 0 with `--kvbm-disk-gib` 0: no block manager.
+    #[arg(long, default_value_t = 0.0)]
+    pub kvbm_host_gib: f64,
+    /// The block manager's disk tier, GiB (host-memory evictions are demoted there; loads
+    /// from it run at the engine's `disk_load_bandwidth`).
+    #[arg(long, default_value_t = 0.0)]
+    pub kvbm_disk_gib: f64,
+    /// GPU KV cache per engine, in blocks (default: the preset's).
+    #[arg(long)]
+    pub num_gpu_blocks: Option<u32>,
+    /// Context length (default: the preset's; at most the GPU cache).
+    #[arg(long)]
+    pub max_model_len: Option<u32>,
     /// Analysis only, not a real engine: prefill costs the engines no compute and no KV reads,
     /// as if every prompt were cached wherever it lands. Run a policy with it against a normal
     /// run of another (two invocations) to bound what any router could gain over the other
@@ -271,6 +287,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), ReplayCmdError> {
             config.event_delay = args.event_delay_ms * MS;
             config.load_interval = args.load_interval_ms * MS;
             config.stop_at = plan.stop_at;
+            config.node_tier = node_tier(args, &config.engine)?;
             let started = Instant::now();
             let result = replay(&plan.workload, config)?;
             let wall = started.elapsed();
@@ -302,9 +319,43 @@ pub fn run(args: &ReplayArgs) -> Result<(), ReplayCmdError> {
     Ok(())
 }
 
-/// The preset's engine configuration with `--kv-offloading-gib` turned into host blocks.
+/// The block manager `--kvbm-host-gib` and `--kvbm-disk-gib` give, in the engines' blocks.
+fn node_tier(
+    args: &ReplayArgs,
+    engine: &EngineConfig,
+) -> Result<Option<replay::NodeTierConfig>, ReplayCmdError> {
+    let blocks = |flag: &str, gib: f64| {
+        engine
+            .blocks_in_gib(gib)
+            .map(|b| b as usize)
+            .map_err(|e| ReplayCmdError::Options(format!("{flag}: {e}")))
+    };
+    let host_blocks = blocks("--kvbm-host-gib", args.kvbm_host_gib)?;
+    let disk_blocks = blocks("--kvbm-disk-gib", args.kvbm_disk_gib)?;
+    if host_blocks + disk_blocks == 0 {
+        return Ok(None);
+    }
+    if args.kv_offloading_gib > 0.0 {
+        return Err(ReplayCmdError::Options(
+            "--kv-offloading-gib and --kvbm-*-gib are two offloading connectors: give one".into(),
+        ));
+    }
+    Ok(Some(replay::NodeTierConfig {
+        host_blocks,
+        disk_blocks,
+    }))
+}
+
+/// The preset's engine configuration with `--kv-offloading-gib` turned into host blocks and
+/// the cache and context overrides applied.
 fn engine_config(args: &ReplayArgs) -> Result<EngineConfig, ReplayCmdError> {
     let mut c = args.preset.config();
+    if let Some(n) = args.num_gpu_blocks {
+        c.num_gpu_blocks = n;
+    }
+    if let Some(n) = args.max_model_len {
+        c.max_model_len = n;
+    }
     c.set_offloading_gib(args.kv_offloading_gib)
         .map_err(|e| ReplayCmdError::Options(format!("--kv-offloading-gib: {e}")))?;
     c.free_prefill = args.free_prefill;
@@ -342,7 +393,13 @@ fn note(policy: ReplayPolicy, load: f64, r: &ReplayOutput, wall: Duration) -> St
         wall.as_secs_f64(),
         r.router.normalize_errors,
         reasons.join(" "),
-    )
+    ) + &r.node.map_or_else(String::new, |n| {
+        format!(
+            ", kvbm: {} blocks offloaded, onboarded {} from host and {} from disk, \
+             {} in host memory and {} on disk at the end",
+            n.offloaded, n.onboarded_host, n.onboarded_disk, n.host_blocks, n.disk_blocks
+        )
+    })
 }
 
 #[cfg(test)]
@@ -435,6 +492,50 @@ mod tests {
             assert!(
                 matches!(engine_config(&a), Err(ReplayCmdError::Options(_))),
                 "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_block_manager_flags_size_one_node_store_in_the_engines_blocks() {
+        let a = args(&[
+            "--workload",
+            "mooncake",
+            "--preset",
+            "small",
+            "--kvbm-host-gib",
+            "1",
+            "--kvbm-disk-gib",
+            "2",
+            "--num-gpu-blocks",
+            "4096",
+            "--max-model-len",
+            "32768",
+        ]);
+        let engine = engine_config(&a).unwrap();
+        assert_eq!((engine.num_gpu_blocks, engine.max_model_len), (4096, 32768));
+        // The small preset's blocks are 2 MiB.
+        let node = node_tier(&a, &engine).unwrap().unwrap();
+        assert_eq!((node.host_blocks, node.disk_blocks), (512, 1024));
+        let none = args(&["--workload", "mooncake"]);
+        assert_eq!(
+            node_tier(&none, &engine_config(&none).unwrap()).unwrap(),
+            None
+        );
+        for bad in [
+            vec!["--kvbm-host-gib=-1"],
+            vec!["--kvbm-disk-gib=NaN"],
+            vec!["--kvbm-host-gib=1", "--kv-offloading-gib=1"],
+        ] {
+            let mut v = vec!["--workload", "mooncake"];
+            v.extend(bad.iter().copied());
+            let a = args(&v);
+            assert!(
+                matches!(
+                    node_tier(&a, &engine_config(&a).unwrap()),
+                    Err(ReplayCmdError::Options(_))
+                ),
+                "{bad:?}"
             );
         }
     }

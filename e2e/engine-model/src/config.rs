@@ -177,13 +177,19 @@ impl EngineConfig {
     /// Sets the host tier to `gib` GiB of this engine's KV blocks (vLLM's
     /// `--kv-offloading-size`); 0 turns offloading off.
     pub fn set_offloading_gib(&mut self, gib: f64) -> Result<(), ConfigError> {
+        self.num_host_blocks = self.blocks_in_gib(gib)?;
+        Ok(())
+    }
+
+    /// How many of this engine's KV blocks `gib` GiB hold (rounded down); refuses a negative
+    /// or non-finite size, or more than `u32::MAX` blocks.
+    pub fn blocks_in_gib(&self, gib: f64) -> Result<u32, ConfigError> {
         let block_bytes = (self.kv_bytes_per_token * u64::from(self.block_size)).max(1) as f64;
         let blocks = (gib * f64::from(1u32 << 30) / block_bytes).floor();
         if !(gib.is_finite() && gib >= 0.0 && blocks <= f64::from(u32::MAX)) {
             return Err(ConfigError::OffloadingSize { gib });
         }
-        self.num_host_blocks = blocks as u32;
-        Ok(())
+        Ok(blocks as u32)
     }
 
     /// Blocks that hold tokens: all but the null block.

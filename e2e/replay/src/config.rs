@@ -48,6 +48,10 @@ pub struct ReplayConfig {
     /// No request is sent at or after this time; sessions still running are abandoned at
     /// their next turn, in-flight requests finish.
     pub stop_at: Option<Nanos>,
+    /// The node's KV block manager (`kvgate-kvbm`, one node for every engine): every engine
+    /// offloads to it and onboards from it, and its tiers are credited to every engine, as
+    /// `kvgate-bench up --kvbm` runs it live. `None`: no block manager.
+    pub node_tier: Option<crate::NodeTierConfig>,
 }
 
 impl ReplayConfig {
@@ -71,6 +75,7 @@ impl ReplayConfig {
             load_interval: 200 * MS,
             expire_interval: 500 * MS,
             stop_at: None,
+            node_tier: None,
         }
     }
 }

@@ -34,6 +34,7 @@
 
 pub mod autoscale;
 mod config;
+mod node_tier;
 mod peer;
 pub mod profiler;
 mod queue;
@@ -42,6 +43,7 @@ mod router;
 mod translate;
 
 pub use config::{MS, ReplayConfig};
+pub use node_tier::{NodeStats, NodeStore, NodeTier, NodeTierConfig};
 pub use peer::{CacheAware, CacheAwareBranch, CacheAwareConfig, CacheAwarePick, ReplayPolicy};
 pub use queue::EventQueue;
 pub use replay::{

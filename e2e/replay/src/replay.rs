@@ -36,6 +36,7 @@ use scheduler::{InflightToken, Role};
 use workload::{Pacing, RequestRecord, Status, Workload, synth_answer};
 
 use crate::config::ReplayConfig;
+use crate::node_tier::NodeStore;
 use crate::queue::EventQueue;
 use crate::router::{Router, RouterError, RouterStats};
 
@@ -83,6 +84,8 @@ pub struct ReplayOutput {
     pub max_sessions_in_flight: usize,
     /// Every engine's life: role, when it was added, ready and gone.
     pub lives: Vec<EngineLife>,
+    /// The node's KV block manager at the end, with one.
+    pub node: Option<crate::NodeStats>,
 }
 
 #[derive(Debug)]
@@ -92,6 +95,7 @@ enum Event {
     Kick(usize),
     StepDone(usize),
     Deliver(usize, Vec<engine_model::CacheEvent>),
+    DeliverNode(Vec<kv_events::KvEvent>),
     LoadTick,
     ExpireTick,
     Ready(usize),
@@ -156,6 +160,28 @@ pub struct Replay<'w> {
     now: Nanos,
     steps: u64,
     events: u64,
+    /// The node's KV block manager, shared by every engine.
+    node: Option<NodeStore>,
+}
+
+/// The one node of a replay with a block manager.
+const NODE: kv_index::NodeId = match kv_index::NodeId::new(0) {
+    Ok(n) => n,
+    Err(_) => panic!("node 0 is in range"),
+};
+
+/// An engine of `config`, connected to `node`'s block manager when there is one.
+fn new_engine(
+    config: &ReplayConfig,
+    node: Option<&NodeStore>,
+) -> Result<Engine, engine_model::ConfigError> {
+    match node {
+        Some(n) => Engine::with_offload(
+            config.engine.clone(),
+            Box::new(n.connector(&config.model, config.engine.block_size)),
+        ),
+        None => Engine::new(config.engine.clone()),
+    }
 }
 
 /// Runs `workload` to its end under `config`.
@@ -183,10 +209,11 @@ impl<'w> Replay<'w> {
             (true, true) => Role::Prefill,
             (true, false) => Role::Decode,
         };
+        let node = config.node_tier.map(NodeStore::new);
         let engines = (0..config.engines)
             .map(|i| {
                 Ok(EngineSlot {
-                    engine: Engine::new(config.engine.clone())?,
+                    engine: new_engine(&config, node.as_ref())?,
                     step: None,
                     kicked: false,
                     role: role(i),
@@ -210,6 +237,9 @@ impl<'w> Replay<'w> {
         }
         for (i, slot) in engines.iter().enumerate() {
             router.set_role(i, slot.role);
+            if node.is_some() {
+                router.set_node(i, NODE);
+            }
         }
         router.account_prefill_legs(config.account_prefill_legs);
         let mut queue = EventQueue::new();
@@ -256,6 +286,7 @@ impl<'w> Replay<'w> {
             now: 0,
             steps: 0,
             events: 0,
+            node,
             config,
         })
     }
@@ -276,6 +307,7 @@ impl<'w> Replay<'w> {
             }
             Event::StepDone(e) => self.step_done(e),
             Event::Deliver(e, events) => self.router.deliver(e, events),
+            Event::DeliverNode(events) => self.router.deliver_node(NODE, &events),
             Event::LoadTick => {
                 for (i, slot) in self.engines.iter().enumerate() {
                     if matches!(slot.life, Life::Serving | Life::Draining) {
@@ -326,6 +358,7 @@ impl<'w> Replay<'w> {
             events: self.events,
             max_sessions_in_flight: self.max_in_flight_sessions,
             lives,
+            node: self.node.as_ref().map(NodeStore::stats),
         }
     }
 
@@ -517,6 +550,15 @@ impl<'w> Replay<'w> {
                 self.now + self.config.event_delay,
                 Event::Deliver(e, events),
             );
+        }
+        if let Some(node) = &self.node {
+            let events = node.take_events();
+            if !events.is_empty() {
+                self.queue.push(
+                    self.now + self.config.event_delay,
+                    Event::DeliverNode(events),
+                );
+            }
         }
         for out in step.outputs {
             if out.preempted {

@@ -268,6 +268,20 @@ impl Router {
             .apply(Holder::Endpoint(endpoint.id), &self.scratch);
     }
 
+    /// Puts engine `engine` on node `node`: the node's tiers are credited to it.
+    pub fn set_node(&mut self, engine: usize, node: kv_index::NodeId) {
+        if let Some(e) = self.endpoints.get_mut(engine) {
+            e.node = Some(node);
+        }
+    }
+
+    /// Delivers a node's KV block manager events to the index, as the EPP's node subscription
+    /// does.
+    pub fn deliver_node(&mut self, node: kv_index::NodeId, events: &[KvEvent]) {
+        self.stats.events_applied += events.len() as u64;
+        self.index.apply(Holder::Node(node), events);
+    }
+
     /// Records an engine's load sample, as the EPP's scraper (or the sidecar's relay) does.
     pub fn sample_load(&self, engine: usize, stats: &EngineStats, now: Nanos) {
         if let Some(e) = self.endpoints.get(engine) {

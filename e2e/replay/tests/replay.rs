@@ -372,3 +372,81 @@ proptest! {
         prop_assert_eq!(seen.len(), w.requests());
     }
 }
+
+/// A prefix, then fillers that push it out of both engines' small GPU caches, then the prefix
+/// again.
+fn evicted_prefix() -> Workload {
+    let prompt = |seed: u64, tail: u64| vec![Span { seed, len: 600 }, Span { seed: tail, len: 8 }];
+    let mut prompts = vec![prompt(42, 1)];
+    prompts.extend((0..6).map(|i| prompt(100 + i, 2)));
+    prompts.push(prompt(42, 3));
+    Workload {
+        name: "evicted-prefix".into(),
+        pacing: Pacing::Open,
+        vocab: Vocab::default(),
+        sessions: prompts
+            .into_iter()
+            .enumerate()
+            .map(|(i, user)| Session {
+                id: i as u64,
+                start: Duration::from_secs(2 * i as u64),
+                group: 0,
+                turns: vec![turn(user, 4, 0)],
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn the_nodes_block_manager_serves_a_prefix_evicted_from_every_gpu() {
+    let w = evicted_prefix();
+    let run = |node: Option<replay::NodeTierConfig>| {
+        let mut c = config(2, Policy::Kv);
+        // 47 usable blocks of 16 tokens: one 38-block prompt fits, two do not.
+        c.engine.num_gpu_blocks = 48;
+        c.engine.max_model_len = 752;
+        c.node_tier = node;
+        replay(&w, c).unwrap()
+    };
+    let last = |out: &replay::ReplayOutput| {
+        out.records
+            .iter()
+            .find(|r| r.session == 7)
+            .cloned()
+            .unwrap()
+    };
+    let without = run(None);
+    assert_eq!(last(&without).cached_tokens, Some(0), "evicted everywhere");
+    assert!(without.node.is_none());
+    let with = run(Some(replay::NodeTierConfig {
+        host_blocks: 1024,
+        disk_blocks: 0,
+    }));
+    let again = last(&with);
+    assert!(again.cached_tokens.unwrap() >= 37 * 16, "{again:?}");
+    assert!(
+        again.ttft_ms.unwrap() < last(&without).ttft_ms.unwrap(),
+        "a load from host memory beats recomputing: {:?} vs {:?}",
+        again.ttft_ms,
+        last(&without).ttft_ms
+    );
+    let node = with.node.unwrap();
+    assert!(node.offloaded >= 8 * 37, "{node:?}");
+    assert!(node.onboarded_host >= 37, "{node:?}");
+    assert!(with.router.events_applied > without.router.events_applied);
+    // With a tiny host memory and a disk, the prefix comes back from disk.
+    let disk = run(Some(replay::NodeTierConfig {
+        host_blocks: 8,
+        disk_blocks: 1024,
+    }));
+    let node = disk.node.unwrap();
+    assert!(node.onboarded_disk >= 30, "{node:?}");
+    let from_disk = last(&disk);
+    assert!(from_disk.cached_tokens.unwrap() >= 37 * 16);
+    assert!(
+        from_disk.ttft_ms.unwrap() > again.ttft_ms.unwrap(),
+        "disk loads slower than host memory: {:?} vs {:?}",
+        from_disk.ttft_ms,
+        again.ttft_ms
+    );
+}

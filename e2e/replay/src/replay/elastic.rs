@@ -7,7 +7,7 @@
 //! from the router: index entries, load samples, in-flight accounting). Removing a `Starting`
 //! engine makes it `Gone` at once (a pod deleted before it was ready).
 
-use engine_model::{Engine, KvTransfer, Nanos, RequestId};
+use engine_model::{KvTransfer, Nanos, RequestId};
 use scheduler::Role;
 
 use super::{EngineSlot, Event, Replay, ReplayError};
@@ -98,8 +98,11 @@ impl Replay<'_> {
 
     /// Adds an engine of `role` that becomes routable `start_up` from now. Returns its index.
     pub fn add_engine(&mut self, role: Role, start_up: Nanos) -> Result<usize, ReplayError> {
-        let engine = Engine::new(self.config.engine.clone())?;
+        let engine = super::new_engine(&self.config, self.node.as_ref())?;
         let index = self.router.add_endpoint(role)?;
+        if self.node.is_some() {
+            self.router.set_node(index, super::NODE);
+        }
         self.engines.push(EngineSlot {
             engine,
             step: None,
