@@ -102,10 +102,54 @@ pub struct NormalizeStats {
     pub unknown_events: u64,
 }
 
+/// What the normaliser knows of one engine hash: its key, its tiers, and how many GPU copies
+/// of it the engine holds. vLLM does not de-duplicate its GPU cache: two blocks computed with
+/// the same content are both cached under one hash, each with its own `BlockStored` and, when
+/// evicted, its own `BlockRemoved`; the block stays on the GPU until its last copy goes.
+/// Lower tiers hold one copy per hash (offloading connectors store a block once), so a repeated
+/// store there changes nothing and one removal ends the residency.
 #[derive(Debug, Clone, Copy)]
 struct Resident {
     key: BlockKey,
     tiers: TierSet,
+    /// Copies per tier (`Tier::index`), saturating.
+    copies: [u16; 4],
+}
+
+impl Resident {
+    fn new(key: BlockKey) -> Self {
+        Self {
+            key,
+            tiers: TierSet::EMPTY,
+            copies: [0; 4],
+        }
+    }
+
+    fn add(&mut self, tier: Tier) {
+        self.tiers.insert(tier);
+        if let Some(c) = self.copies.get_mut(tier.index()) {
+            *c = if tier == Tier::Gpu {
+                c.saturating_add(1)
+            } else {
+                1
+            };
+        }
+    }
+
+    /// Drops one copy in `tier`: `None` if the tier held none, else whether it was the last.
+    fn drop_copy(&mut self, tier: Tier) -> Option<bool> {
+        if !self.tiers.contains(tier) {
+            return None;
+        }
+        let c = self.copies.get_mut(tier.index())?;
+        *c = c.saturating_sub(1);
+        if *c == 0 {
+            self.tiers.remove(tier);
+            Some(true)
+        } else {
+            Some(false)
+        }
+    }
 }
 
 /// Normalises one engine's (one pod × one DP rank's) event stream.
@@ -269,10 +313,7 @@ impl Normalizer {
     /// reused a hash for other content, e.g. after a restart with a new seed), the old key's
     /// residency is withdrawn first so no holder is left behind in the index.
     fn remember(&mut self, hash: EngineHash, key: BlockKey, tier: Tier, out: &mut Vec<KvEvent>) {
-        let entry = self.resident.entry(hash).or_insert(Resident {
-            key,
-            tiers: TierSet::EMPTY,
-        });
+        let entry = self.resident.entry(hash).or_insert(Resident::new(key));
         if entry.key != key {
             for t in Tier::ALL {
                 if entry.tiers.contains(t) {
@@ -282,12 +323,9 @@ impl Normalizer {
                     });
                 }
             }
-            *entry = Resident {
-                key,
-                tiers: TierSet::EMPTY,
-            };
+            *entry = Resident::new(key);
         }
-        entry.tiers.insert(tier);
+        entry.add(tier);
     }
 
     fn store_tokenless(&mut self, s: &BlockStored, out: &mut Vec<KvEvent>) {
@@ -296,7 +334,7 @@ impl Normalizer {
         for hash in &s.block_hashes {
             match self.resident.get_mut(hash) {
                 Some(r) => {
-                    r.tiers.insert(tier);
+                    r.add(tier);
                     keys.push(r.key);
                 }
                 None => self.stats.unresolved_stored += 1,
@@ -324,9 +362,14 @@ impl Normalizer {
                 self.stats.unknown_removed += 1;
                 continue;
             };
-            if !entry.tiers.remove(tier) {
-                self.stats.unknown_removed += 1;
-                continue;
+            match entry.drop_copy(tier) {
+                None => {
+                    self.stats.unknown_removed += 1;
+                    continue;
+                }
+                // Another copy is still cached: the block stays.
+                Some(false) => continue,
+                Some(true) => {}
             }
             keys.push(entry.key);
             if entry.tiers.is_empty() {

@@ -7,7 +7,7 @@
     clippy::panic
 )]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use kv_events::engine::{
     BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, RawValue, WireFormat,
@@ -271,11 +271,17 @@ const BS: u32 = 2;
 const MODEL: &str = "m";
 const CAPACITY: usize = 12;
 
-/// A deliberately simple model of the normaliser: a list of (hash, key, tiers) and keys
-/// computed by concatenating bytes exactly as DESIGN.md states.
+/// A deliberately simple model of the normaliser: a list of (hash, key, copies per tier) and
+/// keys computed by concatenating bytes exactly as DESIGN.md states. GPU copies are counted
+/// (vLLM caches duplicates, each stored and removed on its own); a lower tier holds one.
 #[derive(Default)]
 struct Model {
-    resident: Vec<(EngineHash, BlockKey, BTreeSet<Tier>)>,
+    resident: Vec<(EngineHash, BlockKey, BTreeMap<Tier, u32>)>,
+}
+
+fn add_copy(tiers: &mut BTreeMap<Tier, u32>, tier: Tier) {
+    let c = tiers.entry(tier).or_insert(0);
+    *c = if tier == Tier::Gpu { *c + 1 } else { 1 };
 }
 
 fn tier_of(m: Option<Medium>) -> Tier {
@@ -312,7 +318,7 @@ impl Model {
                 let mut keys = Vec::new();
                 for h in &s.block_hashes {
                     if let Some(i) = self.find(*h) {
-                        self.resident[i].2.insert(tier);
+                        add_copy(&mut self.resident[i].2, tier);
                         keys.push(self.resident[i].1);
                     }
                 }
@@ -377,18 +383,18 @@ impl Model {
                     keys.push(key);
                     match self.find(*h) {
                         Some(j) if self.resident[j].1 == key => {
-                            self.resident[j].2.insert(tier);
+                            add_copy(&mut self.resident[j].2, tier);
                         }
                         Some(j) => {
-                            for t in &self.resident[j].2 {
+                            for t in self.resident[j].2.keys() {
                                 out.push(KvEvent::Removed {
                                     keys: vec![self.resident[j].1],
                                     tier: *t,
                                 });
                             }
-                            self.resident[j] = (*h, key, BTreeSet::from([tier]));
+                            self.resident[j] = (*h, key, BTreeMap::from([(tier, 1)]));
                         }
-                        None => self.resident.push((*h, key, BTreeSet::from([tier]))),
+                        None => self.resident.push((*h, key, BTreeMap::from([(tier, 1)]))),
                     }
                 }
                 out.push(KvEvent::Stored {
@@ -405,8 +411,13 @@ impl Model {
                 let mut keys = Vec::new();
                 for h in &r.block_hashes {
                     if let Some(i) = self.find(*h)
-                        && self.resident[i].2.remove(&tier)
+                        && let Some(c) = self.resident[i].2.get_mut(&tier)
                     {
+                        *c -= 1;
+                        if *c > 0 {
+                            continue;
+                        }
+                        self.resident[i].2.remove(&tier);
                         keys.push(self.resident[i].1);
                         if self.resident[i].2.is_empty() {
                             self.resident.remove(i);
@@ -430,7 +441,7 @@ impl Model {
     fn resident_pairs(&self) -> BTreeSet<(BlockKey, Tier)> {
         self.resident
             .iter()
-            .flat_map(|(_, k, ts)| ts.iter().map(move |t| (*k, *t)))
+            .flat_map(|(_, k, ts)| ts.keys().map(move |t| (*k, *t)))
             .collect()
     }
 }

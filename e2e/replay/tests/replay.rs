@@ -434,6 +434,10 @@ fn the_nodes_block_manager_serves_a_prefix_evicted_from_every_gpu() {
     assert!(node.offloaded >= 8 * 37, "{node:?}");
     assert!(node.onboarded_host >= 37, "{node:?}");
     assert!(with.router.events_applied > without.router.events_applied);
+    assert_eq!(
+        with.router.normalize_errors, 0,
+        "the engines' streams stay whole"
+    );
     // With a tiny host memory and a disk, the prefix comes back from disk.
     let disk = run(Some(replay::NodeTierConfig {
         host_blocks: 8,
