@@ -138,6 +138,12 @@ pub struct Args {
     /// events. Not with --kv-offloading-size; needs prefix caching.
     #[arg(long, env = "KVGATE_KVBM_SOCKET")]
     pub kvbm_socket: Option<std::path::PathBuf>,
+    /// Benchmarks on small machines only: the bytes each offloaded block really carries to the
+    /// block manager (default: the preset's real block size). The load time the engine charges
+    /// still follows the preset's block size; the daemon's budgets then count blocks of this
+    /// size. It lets a laptop run a trace whose real KV volume it could not copy.
+    #[arg(long, requires = "kvbm_socket")]
+    pub kvbm_payload_bytes: Option<u64>,
     /// SGLang P/D role for requests carrying bootstrap_host/port/room: `null` (record them only),
     /// `prefill` (one-token prefill, serve the room) or `decode` (wait for the room, then decode
     /// with the pulled KV).
@@ -209,6 +215,9 @@ impl Args {
         if self.served_names().iter().any(String::is_empty) {
             return Err("model names must not be empty".into());
         }
+        if self.kvbm_payload_bytes == Some(0) {
+            return Err("--kvbm-payload-bytes must be positive".into());
+        }
         if self.kvbm_socket.is_some() {
             if self.kv_offloading_size > 0.0 {
                 return Err(
@@ -268,7 +277,9 @@ impl Args {
             .to_owned(),
             layers: u32::try_from(d.model.layers).unwrap_or(u32::MAX),
             block_size: config.block_size,
-            block_bytes: config.kv_bytes_per_token * u64::from(config.block_size),
+            block_bytes: self
+                .kvbm_payload_bytes
+                .unwrap_or(config.kv_bytes_per_token * u64::from(config.block_size)),
             shard: 0,
             shards: 1,
         }
@@ -309,5 +320,18 @@ mod tests {
         );
         assert_eq!((layout.shard, layout.shards), (0, 1));
         assert!(layout.validate().is_ok());
+        // A benchmark may carry fewer bytes; the engine still charges the real block's load.
+        let small = parse(&["--kvbm-socket", "/s", "--kvbm-payload-bytes", "16384"]);
+        assert_eq!(small.kvbm_layout(&config).block_bytes, 16384);
+        assert_eq!(
+            small.engine_config().unwrap().kv_bytes_per_token,
+            config.kv_bytes_per_token
+        );
+        assert!(
+            parse(&["--kvbm-socket", "/s", "--kvbm-payload-bytes", "0"])
+                .validate()
+                .is_err()
+        );
+        assert!(Args::try_parse_from(["kvgate-sim", "--kvbm-payload-bytes", "1"]).is_err());
     }
 }
