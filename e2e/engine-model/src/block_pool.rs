@@ -16,7 +16,7 @@ use std::collections::HashMap;
 
 use crate::free_queue::FreeQueue;
 use crate::host_cache::HostCache;
-use crate::offload::{Lookup, LookupRequest, Offload, OffloadTier};
+use crate::offload::{Lookup, LookupRequest, Offload, OffloadTier, Sources};
 use crate::{BlockId, CacheEvent, RequestId};
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -80,7 +80,14 @@ impl BlockPool {
     pub(crate) fn offload_lookup(&mut self, request: LookupRequest<'_>) -> Lookup {
         match &mut self.offload {
             Some(tier) if !request.hashes.is_empty() => tier.lookup(request),
-            _ => Lookup::Found(crate::offload::Sources::default()),
+            _ => Lookup::Found(Sources::default()),
+        }
+    }
+
+    /// Tells the offloading tier a load of what its lookup found started.
+    pub(crate) fn offload_load_started(&mut self, request: LookupRequest<'_>, sources: Sources) {
+        if let Some(tier) = &mut self.offload {
+            tier.load_started(request, sources);
         }
     }
 

@@ -101,14 +101,17 @@ impl OffloadTier for HostCache {
     }
 
     fn lookup(&mut self, request: LookupRequest<'_>) -> Lookup {
-        let n = self.leading(request.hashes, request.hashes.len());
-        for &h in request.hashes.iter().take(n) {
-            self.touch(h);
-        }
         Lookup::Found(Sources {
-            host: n,
+            host: self.leading(request.hashes, request.hashes.len()),
             ..Sources::default()
         })
+    }
+
+    /// A load is a use: the loaded blocks become the most recent.
+    fn load_started(&mut self, request: LookupRequest<'_>, sources: Sources) {
+        for &h in request.hashes.iter().take(sources.blocks()) {
+            self.touch(h);
+        }
     }
 
     /// Drops everything (no event: the caller reports one `Cleared` for every tier).

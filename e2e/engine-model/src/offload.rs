@@ -7,7 +7,9 @@
 //!   copied out as they are cached (write-through, as vLLM's `OffloadingConnector` and
 //!   Dynamo's KVBM do);
 //! - **lookup** ([`OffloadTier::lookup`]): how many of the blocks right after a waiting
-//!   request's GPU prefix hit the tier can load (vLLM's `get_num_new_matched_tokens`). An
+//!   request's GPU prefix hit the tier can load (vLLM's `get_num_new_matched_tokens`), then,
+//!   once the engine has GPU blocks for them, [`OffloadTier::load_started`] (vLLM's
+//!   `update_state_after_alloc`). An
 //!   answer may not be known yet ([`Lookup::Pending`]: the request waits and asks again on a
 //!   later step, as vLLM's scheduler does when a connector returns `None`); once known it says
 //!   which of the tier's levels the blocks come from, so the engine charges each its own load
@@ -67,6 +69,15 @@ impl Sources {
     }
 }
 
+/// `sources` cut to their first `blocks` blocks (host ones first, then disk, then remote, the
+/// order a tier serves them in).
+pub(crate) fn cap(sources: Sources, blocks: usize) -> Sources {
+    let host = sources.host.min(blocks);
+    let disk = sources.disk.min(blocks - host);
+    let remote = sources.remote.min(blocks - host - disk);
+    Sources { host, disk, remote }
+}
+
 /// A tier's answer to a lookup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lookup {
@@ -83,8 +94,15 @@ pub trait OffloadTier: Send + std::fmt::Debug {
     /// events go to `events`.
     fn offload(&mut self, blocks: Offload<'_>, events: &mut Vec<CacheEvent>);
 
-    /// Which leading blocks of `request.hashes` the tier loads; a found block counts as a use.
+    /// Which leading blocks of `request.hashes` the tier can load. Asked again on every step
+    /// while the request cannot start (a pending answer, or GPU blocks not free for the load):
+    /// it is a question, not a use.
     fn lookup(&mut self, request: LookupRequest<'_>) -> Lookup;
+
+    /// The engine allocated GPU blocks for the first `sources.blocks()` blocks of
+    /// `request.hashes` (what the last lookup found, capped) and waits for them: the load
+    /// happens, and counts as a use of those blocks.
+    fn load_started(&mut self, _request: LookupRequest<'_>, _sources: Sources) {}
 
     /// The request is gone (finished or aborted): forget anything kept for it.
     fn finished(&mut self, _request: RequestId) {}

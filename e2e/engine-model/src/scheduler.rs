@@ -296,14 +296,29 @@ impl Engine {
                 };
                 let found = sources.blocks().min(after.len());
                 if found > 0 {
+                    let sources = crate::offload::cap(sources, found);
+                    let first_block = hits.len();
                     let load = Load {
-                        target: (hits.len() + found) * block_size,
+                        target: (first_block + found) * block_size,
                         hits,
                         wait: offload_wait(&sources, &self.config),
                     };
                     let admission = start_load(&mut self.pool, req, load, &self.config, now);
                     if matches!(admission, Admission::Skipped) {
                         self.counters.host_hits += (found * block_size) as u64;
+                        let hashes = req
+                            .hashes
+                            .get(first_block..first_block + found)
+                            .unwrap_or_default();
+                        self.pool.offload_load_started(
+                            LookupRequest {
+                                request: id,
+                                first_block,
+                                hashes,
+                                tokens: &req.tokens,
+                            },
+                            sources,
+                        );
                     }
                     return admission;
                 }

@@ -19,6 +19,8 @@ struct Seen {
     /// (request, first block, hashes) per lookup.
     lookups: Vec<(RequestId, usize, Vec<u64>)>,
     finished: Vec<RequestId>,
+    /// (request, first block, sources) per load started.
+    started: Vec<(RequestId, usize, Sources)>,
 }
 
 /// A tier that answers `Pending` `pending` times, then its scripted sources.
@@ -56,6 +58,15 @@ impl OffloadTier for Scripted {
             return Lookup::Pending;
         }
         Lookup::Found(self.answer)
+    }
+
+    fn load_started(&mut self, r: LookupRequest<'_>, sources: Sources) {
+        assert_eq!(r.hashes.len(), sources.blocks());
+        self.seen
+            .lock()
+            .unwrap()
+            .started
+            .push((r.request, r.first_block, sources));
     }
 
     fn finished(&mut self, request: RequestId) {
@@ -142,6 +153,7 @@ fn every_cached_block_is_offloaded_with_its_index_and_tokens_and_the_tier_hears_
     assert_eq!(seen.lookups[0].1, 0);
     assert_eq!(seen.lookups[0].2.len(), 3);
     assert_eq!(seen.finished, [1]);
+    assert!(seen.started.is_empty(), "nothing found, nothing loaded");
 }
 
 #[test]
@@ -186,10 +198,16 @@ fn loads_are_charged_at_each_levels_bandwidth() {
             ..Sources::default()
         },
     ] {
-        let (mut e, _) = engine(0, answer);
+        let (mut e, seen) = engine(0, answer);
         e.add_request(request(1, prompt.clone())).unwrap();
         let (end, cached) = run(&mut e, 0, 4);
         assert_eq!(cached, Some((answer.blocks() * bs) as u32));
+        let started = &seen.lock().unwrap().started;
+        if answer.blocks() > 0 {
+            assert_eq!(started, &[(1, 0, answer)], "one load, of what was found");
+        } else {
+            assert!(started.is_empty());
+        }
         took.push(end);
     }
     let ns = |bytes: u64, bw: u64| bytes * 1_000_000_000 / bw;
@@ -207,7 +225,7 @@ fn loads_are_charged_at_each_levels_bandwidth() {
 
 #[test]
 fn an_answer_longer_than_asked_is_capped_at_the_candidates() {
-    let (mut e, _) = engine(
+    let (mut e, seen) = engine(
         0,
         Sources {
             host: 100,
@@ -221,4 +239,12 @@ fn an_answer_longer_than_asked_is_capped_at_the_candidates() {
     let (_, cached) = run(&mut e, 0, 4);
     assert_eq!(cached, Some(bs as u32));
     e.check_invariants().unwrap();
+    assert_eq!(
+        seen.lock().unwrap().started[0].2,
+        Sources {
+            host: 1,
+            ..Sources::default()
+        },
+        "the load is cut to the candidates"
+    );
 }

@@ -259,35 +259,42 @@ impl OffloadTier for NodeTier {
         }
     }
 
+    /// The leading blocks the node holds, by level (a question: nothing moves).
     fn lookup(&mut self, r: LookupRequest<'_>) -> Lookup {
         let keys = self.keys(r.request, r.tokens);
         let wanted = keys
             .get(r.first_block..r.first_block + r.hashes.len())
             .unwrap_or_default();
-        let mut g = self.store.lock();
-        // Which level holds each leading block, decided before anything moves (the daemon
-        // serves the host-memory blocks of an onboard at once, then reads the others).
-        let levels: Vec<bool> = wanted
-            .iter()
-            .map_while(|&key| {
-                if g.host.contains(key) {
-                    Some(true)
-                } else if g.disk.contains(key) {
-                    Some(false)
-                } else {
-                    None
-                }
-            })
-            .collect();
+        let g = self.store.lock();
         let mut found = Sources::default();
+        for &key in wanted {
+            if g.host.contains(key) {
+                found.host += 1;
+            } else if g.disk.contains(key) {
+                found.disk += 1;
+            } else {
+                break;
+            }
+        }
+        Lookup::Found(found)
+    }
+
+    /// The onboard: host-memory blocks are touched, disk ones touched and promoted to host
+    /// memory (the daemon serves the host ones at once, then reads the others).
+    fn load_started(&mut self, r: LookupRequest<'_>, sources: Sources) {
+        let keys = self.keys(r.request, r.tokens);
+        let wanted = keys
+            .get(r.first_block..r.first_block + sources.blocks())
+            .unwrap_or_default();
+        let mut g = self.store.lock();
+        let levels: Vec<bool> = wanted.iter().map(|&k| g.host.contains(k)).collect();
         for (i, (&key, &in_host)) in wanted.iter().zip(&levels).enumerate() {
             if in_host {
                 g.host.touch(key);
-                found.host += 1;
-            } else {
+                g.stats.onboarded_host += 1;
+            } else if g.disk.contains(key) {
                 g.disk.touch(key);
-                found.disk += 1;
-                // Promoted to host memory, as the daemon's onboard does.
+                g.stats.onboarded_disk += 1;
                 let parent = (r.first_block + i)
                     .checked_sub(1)
                     .and_then(|p| keys.get(p))
@@ -295,9 +302,6 @@ impl OffloadTier for NodeTier {
                 g.store(key, parent);
             }
         }
-        g.stats.onboarded_host += found.host as u64;
-        g.stats.onboarded_disk += found.disk as u64;
-        Lookup::Found(found)
     }
 
     fn finished(&mut self, request: RequestId) {
@@ -395,14 +399,32 @@ mod tests {
             &mut Vec::new(),
         );
         // Host memory keeps the last two blocks; the first two are on disk.
-        let found = b.lookup(LookupRequest {
+        let ask = LookupRequest {
             request: 7,
             first_block: 0,
             hashes: &hashes,
             tokens: &tokens,
-        });
+        };
+        let found = b.lookup(ask);
+        assert_eq!(b.lookup(ask), found, "a lookup moves nothing");
+        assert_eq!(store.stats().onboarded_disk, 0);
         assert_eq!(
             found,
+            Lookup::Found(Sources {
+                host: 2,
+                disk: 2,
+                remote: 0
+            })
+        );
+        let Lookup::Found(sources) = found else {
+            unreachable!()
+        };
+        b.load_started(ask, sources);
+        let s = store.stats();
+        assert_eq!((s.onboarded_host, s.onboarded_disk), (2, 2));
+        // The two disk blocks were promoted: host memory (2 blocks) now holds them.
+        assert_eq!(
+            b.lookup(ask),
             Lookup::Found(Sources {
                 host: 2,
                 disk: 2,

@@ -11,9 +11,11 @@
 //!   blocks of the real size of the preset's KV layout (layers × KV heads × head size × dtype
 //!   × block size);
 //! - a waiting request's blocks after its GPU prefix hit are **looked up and onboarded**: the
-//!   daemon writes the blocks it holds into the segment, and the engine model charges the
-//!   load from each level (host memory, disk, the remote store) at the preset's bandwidth
-//!   for that level, instead of computing those tokens.
+//!   daemon writes the blocks it holds into the segment (staging, as a connector's host
+//!   buffer), and once the engine has GPU blocks for them it charges the load from each level
+//!   (host memory, disk, the remote store) at the preset's bandwidth for that level, instead
+//!   of computing those tokens. The answer is kept while the request waits for GPU blocks, so
+//!   a request the engine cannot start yet does not onboard again on every step.
 //!
 //! The engine's step never waits on the socket. Calls go through a bounded queue to one
 //! worker task; a lookup answers [`Lookup::Pending`] until the worker has the daemon's answer
@@ -175,8 +177,11 @@ enum Job {
 pub struct KvbmTier {
     jobs: mpsc::Sender<Job>,
     answers: Arc<Mutex<HashMap<RequestId, Sources>>>,
-    /// Requests whose lookup is with the worker: the first block asked for.
+    /// Requests whose lookup went to the worker: the first block asked for.
     asked: HashMap<RequestId, usize>,
+    /// Their answers once in, kept while the request waits for GPU blocks to load them into
+    /// (the blocks are already in the segment: the onboard ran with the lookup).
+    known: HashMap<RequestId, Sources>,
     chains: HashMap<RequestId, KeyChain>,
     handle: KvbmHandle,
     model: String,
@@ -218,6 +223,7 @@ impl KvbmTier {
             jobs: tx,
             answers,
             asked: HashMap::new(),
+            known: HashMap::new(),
             chains: HashMap::new(),
             handle: handle.clone(),
             model,
@@ -260,10 +266,16 @@ impl OffloadTier for KvbmTier {
 
     fn lookup(&mut self, r: LookupRequest<'_>) -> Lookup {
         if let Some(first) = self.asked.get(&r.request).copied() {
-            let Some(sources) = lock(&self.answers).remove(&r.request) else {
-                return Lookup::Pending;
+            let sources = match self.known.get(&r.request) {
+                Some(s) => *s,
+                None => {
+                    let Some(s) = lock(&self.answers).remove(&r.request) else {
+                        return Lookup::Pending;
+                    };
+                    self.known.insert(r.request, s);
+                    s
+                }
             };
-            self.asked.remove(&r.request);
             // The answer covers blocks `first..first + n`; the request now starts at
             // `r.first_block` (its GPU hit may have grown or shrunk meanwhile).
             let end = first + sources.blocks();
@@ -301,9 +313,16 @@ impl OffloadTier for KvbmTier {
         }
     }
 
+    /// The load began: a later admission (after a preemption) asks again.
+    fn load_started(&mut self, r: LookupRequest<'_>, _sources: Sources) {
+        self.asked.remove(&r.request);
+        self.known.remove(&r.request);
+    }
+
     fn finished(&mut self, request: RequestId) {
         self.chains.remove(&request);
         self.asked.remove(&request);
+        self.known.remove(&request);
         lock(&self.answers).remove(&request);
         lock(&self.handle.salts).remove(&request);
     }
