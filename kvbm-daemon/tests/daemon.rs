@@ -828,3 +828,46 @@ async fn pinned_blocks_stay_until_released_or_expired() {
     }
     assert_eq!(other.lookup(vec![21]).await.unwrap(), (1, 1));
 }
+
+/// Tenancy: a connector sees only the blocks of its own layout. Another dtype of the same
+/// model (another KV format) finds nothing under the same keys, and onboards nothing into its
+/// segment; a layout of another model is refused at registration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connector_sees_only_the_blocks_of_its_own_layout() {
+    let s = stack(8 * BLOCK);
+    let mut bf16 = Client::connect(&s.socket, layout(), 8 * BLOCK)
+        .await
+        .unwrap();
+    let slots = stage(&bf16, &[1, 2, 3]);
+    assert_eq!(bf16.offload(None, slots.clone()).await.unwrap(), (3, 0, 0));
+    let fp8 = Layout {
+        dtype: "fp8".into(),
+        ..layout()
+    };
+    let mut other = Client::connect(&s.socket, fp8, 8 * BLOCK).await.unwrap();
+    assert_ne!(other.layout_id(), bf16.layout_id());
+    assert_eq!(other.lookup(vec![1, 2, 3]).await.unwrap(), (0, 0));
+    for i in 0..3 {
+        other
+            .segment()
+            .write(i * BLOCK, &vec![0xee; BLOCK as usize])
+            .unwrap();
+    }
+    assert_eq!(other.onboard(slots.clone()).await.unwrap().blocks, 0);
+    assert_eq!(
+        &other.segment().read(0, BLOCK).unwrap()[..],
+        &vec![0xee; BLOCK as usize][..],
+        "nothing of the other layout was written into its segment"
+    );
+    // The owner still gets its blocks back.
+    assert_eq!(bf16.onboard(slots.clone()).await.unwrap().blocks, 3);
+    assert_intact(&bf16, &slots);
+    let foreign = Layout {
+        model: "another-model".into(),
+        ..layout()
+    };
+    assert!(matches!(
+        Client::connect(&s.socket, foreign, 8 * BLOCK).await,
+        Err(ClientError::Refused { .. })
+    ));
+}

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# TTFT with the node's KV block manager vs without, live and in the replay
+# (docs/benchmarks.md § "The block manager in the data path").
+#
+# The Mooncake conversation trace on N `small` kvgate-sim engines whose GPU caches are far
+# smaller than the working set (--num-gpu-blocks), through Envoy + kvgate-epp (kv policy), three
+# times on fresh release stacks: without the block manager; with it, host memory only; with it,
+# a small host memory and a large disk. Then the same three configurations in the replay
+# (`kvgate-bench replay --kvbm-host-gib/--kvbm-disk-gib`), its prediction.
+#
+# The real KV volume (2 MiB per block) is more than a two-core machine can copy at the trace's
+# rate, so live blocks carry PAYLOAD bytes (`kvgate-sim --kvbm-payload-bytes`): the engines
+# still charge loads at the real block size, and the daemon's budgets are scaled to hold the
+# same number of blocks as the real sizes below (GiB of 2 MiB blocks). Redis gets no budget
+# (the replay models no remote tier).
+#
+#   e2e/bench/kvbm_ttft.sh [engines] [trace-seconds] [speedup]
+# Environment: CARGO_TARGET_DIR; TIME_SCALE (2); GPU_BLOCKS (8300); PAYLOAD (16384);
+# HOST_GIB (256, host only); SMALL_HOST_GIB (32) and DISK_GIB (512) (host + disk); OUT (a temp
+# directory: records and logs).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$root"
+engines=${1:-4}
+trace_s=${2:-600}
+speedup=${3:-1}
+scale=${TIME_SCALE:-2}
+gpu_blocks=${GPU_BLOCKS:-8300}
+payload=${PAYLOAD:-16384}
+host_gib=${HOST_GIB:-256}
+small_host_gib=${SMALL_HOST_GIB:-32}
+disk_gib=${DISK_GIB:-512}
+target=${CARGO_TARGET_DIR:-$root/target}
+out=${OUT:-$(mktemp -d)}
+mkdir -p "$out"
+cargo build --release -p kvgate-e2e -p kvgate-sidecar -p kvgate-epp -p kvgate-kvbm >/dev/null
+bench="$target/release/kvgate-bench"
+trace="$root/../shared/traces/mooncake_conversation_trace.jsonl"
+max_len=$((gpu_blocks * 16 - 16))
+# GiB of real 2 MiB blocks → MiB of PAYLOAD-byte blocks.
+mib() { echo $(($1 * 512 * payload / 1048576)); }
+
+engine_args=(--engine-arg=--num-gpu-blocks=$gpu_blocks --engine-arg=--max-model-len=$max_len)
+live() { # $1 = label, rest = extra compare flags
+  local label=$1
+  shift
+  echo "== live: $label" >&2
+  "$bench" compare --engines "$engines" --preset small --time-scale "$scale" --policies kv \
+    --loads "$speedup" --log-level warn --out "$out/live-$label" "${engine_args[@]}" "$@" \
+    -- --workload mooncake --trace "$trace" --trace-to "$trace_s" --quiet \
+    >"$out/live-$label.log" 2>&1 || { tail -30 "$out/live-$label.log" >&2; exit 1; }
+  grep -E '^(run|kv) ' "$out/live-$label.log" | head -2 | sed "s/^kv /$label /"
+}
+replay() { # $1 = label, rest = extra replay flags
+  local label=$1
+  shift
+  "$bench" replay --workload mooncake --trace "$trace" --trace-seconds "$trace_s" \
+    --engines "$engines" --preset small --policy kv --num-gpu-blocks "$gpu_blocks" \
+    --max-model-len "$max_len" --speedup "$speedup" --out "$out/replay-$label.jsonl" "$@" \
+    >"$out/replay-$label.log" 2>&1
+  sed -n 2p "$out/replay-$label.log" | sed "s/^kv /$label /"
+  grep -o 'kvbm: .*' "$out/replay-$label.log" || true
+}
+
+payload_arg=--engine-arg=--kvbm-payload-bytes=$payload
+live none
+live host --kvbm "$payload_arg" --kvbm-host-mib "$(mib "$host_gib")" --kvbm-remote-mib 0
+live host+disk --kvbm "$payload_arg" --kvbm-host-mib "$(mib "$small_host_gib")" \
+  --kvbm-disk-mib "$(mib "$disk_gib")" --kvbm-remote-mib 0
+echo "== replay (prediction)"
+replay none
+replay host --kvbm-host-gib "$host_gib"
+replay host+disk --kvbm-host-gib "$small_host_gib" --kvbm-disk-gib "$disk_gib"
+echo "records and logs: $out"
