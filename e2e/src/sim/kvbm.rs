@@ -17,8 +17,8 @@
 //!   of computing those tokens. The answer is kept while the request waits for GPU blocks, so
 //!   a request the engine cannot start yet does not onboard again on every step.
 //!
-//! The engine's step never waits on the socket. Calls go through a bounded queue to one
-//! worker task; a lookup answers [`Lookup::Pending`] until the worker has the daemon's answer
+//! The engine's step never waits on the socket. Calls go through bounded queues to one
+//! worker task, lookups ahead of offloads; a lookup answers [`Lookup::Pending`] until the worker has the daemon's answer
 //! (the request waits, others run: vLLM's scheduler does the same for a connector that is
 //! still looking), and the worker wakes the engine loop when it arrives. A daemon that is
 //! away, slow past [`CALL_TIMEOUT`], or answering errors costs only the cache: lookups answer
@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use engine_model::{CacheEvent, Lookup, LookupRequest, Offload, OffloadTier, RequestId, Sources};
 use kv_events::key::{KeyChain, SaltStyle};
 use kvgate_kvbm::client::{Client, ClientError};
-use kvgate_kvbm::protocol::Slot;
+use kvgate_kvbm::protocol::{MAX_BLOCKS, Slot};
 use kvgate_kvbm::store::Layout;
 use tokio::sync::{Notify, mpsc};
 
@@ -175,7 +175,9 @@ enum Job {
 /// The engine model's offload tier, answered by the daemon.
 #[derive(Debug)]
 pub struct KvbmTier {
-    jobs: mpsc::Sender<Job>,
+    /// Offloads, and lookups (served first: a request waits on each).
+    offloads: mpsc::Sender<Job>,
+    lookups: mpsc::Sender<Job>,
     answers: Arc<Mutex<HashMap<RequestId, Sources>>>,
     /// Requests whose lookup went to the worker: the first block asked for.
     asked: HashMap<RequestId, usize>,
@@ -200,7 +202,8 @@ impl std::fmt::Debug for Job {
 impl KvbmTier {
     /// Starts the worker on the current runtime (it connects on its first call).
     pub fn start(config: KvbmConfig) -> (Self, KvbmHandle) {
-        let (tx, rx) = mpsc::channel(QUEUE);
+        let (offloads, offload_rx) = mpsc::channel(QUEUE);
+        let (lookups, lookup_rx) = mpsc::channel(QUEUE);
         let handle = KvbmHandle {
             salts: Arc::default(),
             wake: Arc::new(Notify::new()),
@@ -217,10 +220,11 @@ impl KvbmTier {
                 answers: Arc::clone(&answers),
                 handle: handle.clone(),
             }
-            .run(rx),
+            .run(lookup_rx, offload_rx),
         );
         let tier = Self {
-            jobs: tx,
+            offloads,
+            lookups,
             answers,
             asked: HashMap::new(),
             known: HashMap::new(),
@@ -255,7 +259,11 @@ impl OffloadTier for KvbmTier {
             let parent = first.checked_sub(1).and_then(|i| all.get(i)).copied();
             let keys: Vec<u64> = run.iter().filter_map(|&i| all.get(i).copied()).collect();
             let n = keys.len() as u64;
-            if self.jobs.try_send(Job::Offload { parent, keys }).is_err() {
+            if self
+                .offloads
+                .try_send(Job::Offload { parent, keys })
+                .is_err()
+            {
                 self.handle
                     .stats
                     .offload_dropped_blocks
@@ -295,7 +303,7 @@ impl OffloadTier for KvbmTier {
         if keys.is_empty() {
             return Lookup::Found(Sources::default());
         }
-        match self.jobs.try_send(Job::Lookup {
+        match self.lookups.try_send(Job::Lookup {
             id: r.request,
             keys,
         }) {
@@ -370,8 +378,16 @@ enum CallError {
 }
 
 impl Worker {
-    async fn run(mut self, mut rx: mpsc::Receiver<Job>) {
-        while let Some(job) = rx.recv().await {
+    /// Serves calls until the tier is dropped: lookups first (a request waits on each), then
+    /// offloads, in order within each.
+    async fn run(mut self, mut lookups: mpsc::Receiver<Job>, mut offloads: mpsc::Receiver<Job>) {
+        loop {
+            let job = tokio::select! {
+                biased;
+                Some(job) = lookups.recv() => job,
+                Some(job) = offloads.recv() => job,
+                else => return,
+            };
             match job {
                 Job::Offload { parent, keys } => {
                     let n = keys.len() as u64;
@@ -496,11 +512,19 @@ impl Worker {
         let block_bytes = self.config.layout.block_bytes;
         let stats = Arc::clone(&self.handle.stats);
         let client = self.client().await?;
-        let (_, any) = tokio::time::timeout(CALL_TIMEOUT, client.lookup(keys.to_vec()))
-            .await
-            .map_err(|_| CallError::Timeout)??;
+        // The leading blocks held, in requests of at most the protocol's block limit.
+        let mut any = 0;
+        for chunk in keys.chunks(MAX_BLOCKS) {
+            let (_, found) = tokio::time::timeout(CALL_TIMEOUT, client.lookup(chunk.to_vec()))
+                .await
+                .map_err(|_| CallError::Timeout)??;
+            any += found as usize;
+            if (found as usize) < chunk.len() {
+                break;
+            }
+        }
         let mut sources = Sources::default();
-        let held = keys.get(..any as usize).unwrap_or_default();
+        let held = keys.get(..any).unwrap_or_default();
         for chunk in held.chunks(SLOTS) {
             let slots: Vec<Slot> = chunk
                 .iter()
