@@ -829,6 +829,60 @@ fn a_prefix_evicted_from_a_gpu_is_onboarded_from_the_block_manager_by_any_engine
     finish(stack);
 }
 
+/// A prompt longer than the connector protocol's 4,096-block limit is looked up in several
+/// requests and comes back from the block manager whole, with no failed call.
+#[test]
+fn a_prompt_over_the_protocols_block_limit_is_onboarded_whole() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // 4,199 usable GPU blocks of 16 tokens: one ~4,150-block prompt fits, two do not. Blocks
+    // carry 4 KiB (their real 2 MiB would push 8 GB per prompt through a debug daemon).
+    let stack = start(StackConfig {
+        engines: 1,
+        time_scale: 20.0,
+        engine_args: [
+            "--num-gpu-blocks",
+            "4200",
+            "--max-model-len",
+            "67184",
+            "--kvbm-payload-bytes",
+            "4096",
+        ]
+        .map(String::from)
+        .to_vec(),
+        kvbm: Some(KvbmConfig {
+            host_bytes: 64 << 20,
+            remote_bytes: 1 << 20,
+            ..KvbmConfig::default()
+        }),
+        ..StackConfig::default()
+    });
+    // About 66,400 tokens of the byte tokenizer (4 bytes each).
+    let long =
+        |tag: &str| format!("{tag}: ") + &"A long prompt for the block limit test. ".repeat(6_630);
+    let sim = |name: &str| {
+        let page = stack.engine_metrics(0).unwrap();
+        probe::metric_sum(&page, name).unwrap_or_else(|| panic!("no {name} in {page}"))
+    };
+    let first = send(&stack, &chat(&long("a"), "q", 4, false), &[]);
+    assert!(first.ok(), "{first:?}");
+    let other = send(&stack, &chat(&long("b"), "q", 4, false), &[]);
+    assert!(other.ok(), "{other:?}");
+    wait_for("both prompts offloaded", Duration::from_secs(20), || {
+        sim("kvgate_sim_kvbm_offloaded_blocks_total") >= 2.0 * 4_100.0
+    });
+    let again = send(&stack, &chat(&long("a"), "q", 4, false), &[]);
+    assert!(again.ok(), "{again:?}");
+    assert!(
+        again.cached_tokens() >= 4_100 * 16,
+        "{} cached tokens",
+        again.cached_tokens()
+    );
+    assert_eq!(sim("kvgate_sim_kvbm_errors_total"), 0.0);
+    assert_eq!(sim("kvgate_sim_kvbm_lookups_failed_total"), 0.0);
+    assert_eq!(sim("kvgate_sim_kvbm_offload_dropped_blocks_total"), 0.0);
+    finish(stack);
+}
+
 #[test]
 fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
