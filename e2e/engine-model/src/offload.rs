@@ -67,15 +67,38 @@ impl Sources {
     pub fn blocks(&self) -> usize {
         self.host + self.disk + self.remote
     }
+
+    /// The first `n` blocks, counting host ones first, then disk, then remote (the order a
+    /// tier serves them in).
+    #[must_use]
+    pub fn take(self, n: usize) -> Self {
+        let host = self.host.min(n);
+        let disk = self.disk.min(n - host);
+        let remote = self.remote.min(n - host - disk);
+        Self { host, disk, remote }
+    }
+
+    /// Without the first `n` blocks (host ones first).
+    #[must_use]
+    pub fn skip(self, n: usize) -> Self {
+        let host = self.host.saturating_sub(n);
+        let n = n - (self.host - host);
+        let disk = self.disk.saturating_sub(n);
+        let n = n - (self.disk - disk);
+        Self {
+            host,
+            disk,
+            remote: self.remote.saturating_sub(n),
+        }
+    }
 }
 
-/// `sources` cut to their first `blocks` blocks (host ones first, then disk, then remote, the
-/// order a tier serves them in).
-pub(crate) fn cap(sources: Sources, blocks: usize) -> Sources {
-    let host = sources.host.min(blocks);
-    let disk = sources.disk.min(blocks - host);
-    let remote = sources.remote.min(blocks - host - disk);
-    Sources { host, disk, remote }
+impl std::ops::AddAssign for Sources {
+    fn add_assign(&mut self, other: Self) {
+        self.host += other.host;
+        self.disk += other.disk;
+        self.remote += other.remote;
+    }
 }
 
 /// A tier's answer to a lookup.
@@ -121,4 +144,29 @@ pub trait OffloadTier: Send + std::fmt::Debug {
 
     /// Every hash held for this engine, sorted (empty for a shared tier).
     fn hashes(&self) -> Vec<u64>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Sources;
+
+    #[test]
+    fn take_and_skip_count_host_blocks_first() {
+        let s = Sources {
+            host: 2,
+            disk: 1,
+            remote: 3,
+        };
+        let t = |host, disk, remote| Sources { host, disk, remote };
+        assert_eq!(s.take(3), t(2, 1, 0));
+        assert_eq!(s.take(2), t(2, 0, 0));
+        assert_eq!(s.take(10), s);
+        assert_eq!(s.skip(3), t(0, 0, 3));
+        assert_eq!(s.skip(1), t(1, 1, 3));
+        assert_eq!(s.skip(10).blocks(), 0);
+        assert_eq!(s.skip(0), s);
+        let mut sum = s;
+        sum += s.take(1);
+        assert_eq!(sum, t(3, 1, 3));
+    }
 }

@@ -296,7 +296,7 @@ impl Engine {
                 };
                 let found = sources.blocks().min(after.len());
                 if found > 0 {
-                    let sources = crate::offload::cap(sources, found);
+                    let sources = sources.take(found);
                     let first_block = hits.len();
                     let load = Load {
                         target: (first_block + found) * block_size,

@@ -67,8 +67,8 @@ impl Lru {
         }
     }
 
-    /// Inserts `key` as the most recent (touches it if held); returns the keys evicted, or
-    /// `None` when the level has no room at all (nothing stored).
+    /// Inserts `key` as the most recent (touches it if held); returns the keys evicted (never
+    /// `key` itself), or `None` when the level has no room at all (nothing stored).
     fn insert(&mut self, key: u64) -> Option<Vec<u64>> {
         if self.capacity == 0 {
             return None;
@@ -123,19 +123,17 @@ impl Inner {
     /// Stores `key` in host memory (demoting what that evicts), or straight on disk when host
     /// memory is off.
     fn store(&mut self, key: u64, parent: Option<u64>) {
-        match self.host.insert(key) {
-            Some(evicted) => {
-                if !evicted.contains(&key) {
-                    self.stored(Tier::Host, key, parent);
-                }
-                for victim in evicted {
-                    if victim != key {
-                        self.removed(Tier::Host, victim);
-                    }
-                    self.demote(victim);
-                }
-            }
-            None => self.demote(key),
+        let had = self.host.contains(key);
+        let Some(evicted) = self.host.insert(key) else {
+            self.demote(key);
+            return;
+        };
+        if !had {
+            self.stored(Tier::Host, key, parent);
+        }
+        for victim in evicted {
+            self.removed(Tier::Host, victim);
+            self.demote(victim);
         }
     }
 
@@ -145,13 +143,11 @@ impl Inner {
         let Some(evicted) = self.disk.insert(key) else {
             return;
         };
-        if !had && !evicted.contains(&key) {
+        if !had {
             self.stored(Tier::Disk, key, None);
         }
         for victim in evicted {
-            if victim != key {
-                self.removed(Tier::Disk, victim);
-            }
+            self.removed(Tier::Disk, victim);
         }
     }
 
@@ -233,27 +229,36 @@ pub struct NodeTier {
     chains: HashMap<RequestId, KeyChain>,
 }
 
-impl NodeTier {
-    fn keys(&mut self, id: RequestId, tokens: &[u32]) -> Vec<u64> {
-        let (model, bs) = (&self.model, self.block_size);
-        let chain = self
-            .chains
-            .entry(id)
-            .or_insert_with(|| KeyChain::new(model, None, SaltStyle::VllmExtraKey, bs));
-        chain.advance(tokens);
-        chain.keys().iter().map(|k| k.0).collect()
-    }
+/// Request `id`'s kvgate keys for every full block of `tokens` (its chain kept in `chains`).
+fn chain_keys<'c>(
+    chains: &'c mut HashMap<RequestId, KeyChain>,
+    model: &str,
+    block_size: usize,
+    id: RequestId,
+    tokens: &[u32],
+) -> &'c [BlockKey] {
+    let chain = chains
+        .entry(id)
+        .or_insert_with(|| KeyChain::new(model, None, SaltStyle::VllmExtraKey, block_size));
+    chain.advance(tokens);
+    chain.keys()
 }
 
 impl OffloadTier for NodeTier {
     fn offload(&mut self, b: Offload<'_>, _events: &mut Vec<CacheEvent>) {
-        let keys = self.keys(b.request, b.tokens);
+        let keys = chain_keys(
+            &mut self.chains,
+            &self.model,
+            self.block_size,
+            b.request,
+            b.tokens,
+        );
         let mut g = self.store.lock();
         for &i in b.indices {
-            let Some(&key) = keys.get(i) else {
+            let Some(key) = keys.get(i).map(|k| k.0) else {
                 continue;
             };
-            let parent = i.checked_sub(1).and_then(|p| keys.get(p)).copied();
+            let parent = i.checked_sub(1).and_then(|p| keys.get(p)).map(|k| k.0);
             g.store(key, parent);
             g.stats.offloaded += 1;
         }
@@ -261,13 +266,19 @@ impl OffloadTier for NodeTier {
 
     /// The leading blocks the node holds, by level (a question: nothing moves).
     fn lookup(&mut self, r: LookupRequest<'_>) -> Lookup {
-        let keys = self.keys(r.request, r.tokens);
+        let keys = chain_keys(
+            &mut self.chains,
+            &self.model,
+            self.block_size,
+            r.request,
+            r.tokens,
+        );
         let wanted = keys
             .get(r.first_block..r.first_block + r.hashes.len())
             .unwrap_or_default();
         let g = self.store.lock();
         let mut found = Sources::default();
-        for &key in wanted {
+        for key in wanted.iter().map(|k| k.0) {
             if g.host.contains(key) {
                 found.host += 1;
             } else if g.disk.contains(key) {
@@ -282,13 +293,19 @@ impl OffloadTier for NodeTier {
     /// The onboard: host-memory blocks are touched, disk ones touched and promoted to host
     /// memory (the daemon serves the host ones at once, then reads the others).
     fn load_started(&mut self, r: LookupRequest<'_>, sources: Sources) {
-        let keys = self.keys(r.request, r.tokens);
+        let keys = chain_keys(
+            &mut self.chains,
+            &self.model,
+            self.block_size,
+            r.request,
+            r.tokens,
+        );
         let wanted = keys
             .get(r.first_block..r.first_block + sources.blocks())
             .unwrap_or_default();
         let mut g = self.store.lock();
-        let levels: Vec<bool> = wanted.iter().map(|&k| g.host.contains(k)).collect();
-        for (i, (&key, &in_host)) in wanted.iter().zip(&levels).enumerate() {
+        let levels: Vec<bool> = wanted.iter().map(|k| g.host.contains(k.0)).collect();
+        for (i, (key, &in_host)) in wanted.iter().map(|k| k.0).zip(&levels).enumerate() {
             if in_host {
                 g.host.touch(key);
                 g.stats.onboarded_host += 1;
@@ -298,7 +315,7 @@ impl OffloadTier for NodeTier {
                 let parent = (r.first_block + i)
                     .checked_sub(1)
                     .and_then(|p| keys.get(p))
-                    .copied();
+                    .map(|k| k.0);
                 g.store(key, parent);
             }
         }

@@ -250,14 +250,20 @@ impl KvbmTier {
 
 impl OffloadTier for KvbmTier {
     fn offload(&mut self, b: Offload<'_>, _events: &mut Vec<CacheEvent>) {
-        let all: Vec<u64> = self.keys(b.request, b.tokens).iter().map(|k| k.0).collect();
         // One call per contiguous run, chained on the block before it.
-        for run in b.indices.chunk_by(|x, y| *y == *x + 1) {
-            let Some(&first) = run.first() else {
-                continue;
-            };
-            let parent = first.checked_sub(1).and_then(|i| all.get(i)).copied();
-            let keys: Vec<u64> = run.iter().filter_map(|&i| all.get(i).copied()).collect();
+        let runs: Vec<(Option<u64>, Vec<u64>)> = {
+            let all = self.keys(b.request, b.tokens);
+            let key = |i: usize| all.get(i).map(|k| k.0);
+            b.indices
+                .chunk_by(|x, y| *y == *x + 1)
+                .filter_map(|run| {
+                    let first = *run.first()?;
+                    let parent = first.checked_sub(1).and_then(key);
+                    Some((parent, run.iter().filter_map(|&i| key(i)).collect()))
+                })
+                .collect()
+        };
+        for (parent, keys) in runs {
             let n = keys.len() as u64;
             if self
                 .offloads
@@ -290,7 +296,7 @@ impl OffloadTier for KvbmTier {
             if r.first_block < first || end <= r.first_block {
                 return Lookup::Found(Sources::default());
             }
-            return Lookup::Found(trim(sources, r.first_block - first));
+            return Lookup::Found(sources.skip(r.first_block - first));
         }
         let keys: Vec<u64> = {
             let all = self.keys(r.request, r.tokens);
@@ -345,18 +351,6 @@ impl OffloadTier for KvbmTier {
     fn hashes(&self) -> Vec<u64> {
         Vec::new()
     }
-}
-
-/// `sources` without their first `skip` blocks (host ones first, as the daemon serves them).
-fn trim(sources: Sources, skip: usize) -> Sources {
-    let mut s = sources;
-    let mut skip = skip;
-    for level in [&mut s.host, &mut s.disk, &mut s.remote] {
-        let n = skip.min(*level);
-        *level -= n;
-        skip -= n;
-    }
-    s
 }
 
 struct Worker {
@@ -551,33 +545,18 @@ impl Worker {
                 }
                 intact += 1;
             }
-            let got = Sources {
+            sources += Sources {
                 host: done.host as usize,
                 disk: done.disk as usize,
                 remote: done.remote as usize,
-            };
-            let got = trim_tail(got, got.blocks() - intact);
-            sources.host += got.host;
-            sources.disk += got.disk;
-            sources.remote += got.remote;
+            }
+            .take(intact);
             if intact < chunk.len() {
                 break;
             }
         }
         Ok(sources)
     }
-}
-
-/// `sources` without their last `drop` blocks (remote ones first).
-fn trim_tail(sources: Sources, drop: usize) -> Sources {
-    let mut s = sources;
-    let mut drop = drop;
-    for level in [&mut s.remote, &mut s.disk, &mut s.host] {
-        let n = drop.min(*level);
-        *level -= n;
-        drop -= n;
-    }
-    s
 }
 
 /// The bytes written at the head of a block's slot: its key, little-endian (cut to the block
@@ -596,33 +575,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn trimming_drops_leading_blocks_host_first_and_trailing_blocks_remote_first() {
-        let s = Sources {
-            host: 2,
-            disk: 1,
-            remote: 3,
-        };
-        assert_eq!(
-            trim(s, 3),
-            Sources {
-                host: 0,
-                disk: 0,
-                remote: 3
-            }
-        );
-        assert_eq!(
-            trim_tail(s, 4),
-            Sources {
-                host: 2,
-                disk: 0,
-                remote: 0
-            }
-        );
-        assert_eq!(trim(s, 10).blocks(), 0);
-        assert_eq!(trim_tail(s, 0), s);
-    }
 
     #[test]
     fn a_stamp_is_the_key_cut_to_tiny_blocks() {
