@@ -5,7 +5,10 @@
 #      contiguous seq; snapshots; a restarted sidecar starts a new epoch;
 #   b. Envoy → kvgate-epp (NATS, real tokenizer) routes a cached prefix to the engine holding it,
 #      confirmed by the engine's own usage.prompt_tokens_details.cached_tokens;
-#   c. the sidecar's pass-through proxy streams vLLM's SSE unchanged.
+#   c. the sidecar's pass-through proxy streams vLLM's SSE unchanged;
+#   d. kvgate's vLLM KV connector (connectors/vllm) in that vLLM with a real kvgate-kvbm: a prefix
+#      evicted from vLLM's cache is loaded back from the daemon (cached tokens, the same
+#      log-probabilities), a daemon restart loses no request, and the worker's block copies.
 #
 #   scripts/test-real-engine.sh [cargo options, e.g. --release]
 #       (idempotent; the first run installs ~8.3 GB in about 5 min)
@@ -33,5 +36,14 @@ avail_gib=$(awk '/^MemAvailable:/ { print int($2 / 1048576) }' /proc/meminfo)
 cd "$root"
 [ -n "${KVGATE_EPP_BIN:-}" ] || cargo build "$@" -p kvgate-epp --bin kvgate-epp
 [ -n "${KVGATE_SIM_BIN:-}" ] || cargo build "$@" -p kvgate-e2e --bin kvgate-sim
+[ -n "${KVGATE_KVBM_BIN:-}" ] || cargo build "$@" -p kvgate-kvbm --bin kvgate-kvbm
 KVGATE_REAL_VLLM=1 KVGATE_REAL_VLLM_DIR="$dir" KVGATE_SHARED="$shared" \
   cargo test "$@" -p kvgate-sidecar --test real_vllm -- --ignored --nocapture
+# d. The connector's tests run in vLLM's own environment (torch, vLLM); they add pytest and the
+# connector's one dependency vLLM lacks (xxhash) to it.
+"$dir/venv/bin/pip" install -q --disable-pip-version-check pytest==9.0.1 xxhash==3.6.0
+profile=debug
+case " $* " in *" --release "*) profile=release ;; esac
+KVGATE_KVBM_BIN=${KVGATE_KVBM_BIN:-${CARGO_TARGET_DIR:-$root/target}/$profile/kvgate-kvbm} \
+  KVGATE_SHARED="$shared" KVGATE_REAL_VLLM_DIR="$dir" \
+  "$dir/venv/bin/python" -m pytest -q -p no:cacheprovider connectors/vllm/tests/engine

@@ -17,3 +17,8 @@ if command -v cargo-nextest >/dev/null 2>&1; then
 else
   cargo test --workspace --all-targets --no-fail-fast
 fi
+# The vLLM connector's pure modules and its client against the kvgate-kvbm just built (pytest in
+# .venv; the tests that need torch and a real vLLM are the opt-in scripts/test-real-engine.sh).
+echo "test: connectors/vllm (pytest)"
+KVGATE_KVBM_BIN=${KVGATE_KVBM_BIN:-${CARGO_TARGET_DIR:-$root/target}/debug/kvgate-kvbm} \
+  .venv/bin/python -m pytest -q -p no:cacheprovider connectors/vllm/tests --ignore=connectors/vllm/tests/engine

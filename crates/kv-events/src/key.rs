@@ -326,4 +326,21 @@ mod tests {
         assert_eq!(tail, a[2..]);
         assert!(block_keys(KeySeed::new("a", None), &t, 0).is_empty());
     }
+
+    /// Golden values: the Python connector (`connectors/vllm/tests/test_keys.py`) pins the same
+    /// ones, so the two implementations of the formula cannot drift apart.
+    #[test]
+    fn keys_match_the_python_connectors_golden_values() {
+        let tokens: Vec<u32> = (1..=64).collect();
+        let plain = request_block_keys("tiny", None, SaltStyle::VllmExtraKey, &tokens, 32);
+        assert_eq!(
+            plain,
+            [BlockKey(0x0fc2_27e9_5bb2_e74f), BlockKey(0x0830_08a9_c290_7837)]
+        );
+        let salted = request_block_keys("tiny", Some("s1"), SaltStyle::VllmExtraKey, &tokens, 32);
+        assert_eq!(
+            salted,
+            [BlockKey(0x63e1_920f_49cb_ab14), BlockKey(0xc853_cc2a_069d_d863)]
+        );
+    }
 }
