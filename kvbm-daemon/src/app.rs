@@ -295,6 +295,7 @@ async fn serve(args: Args) -> Result<(), AppError> {
             max_connections: args.max_connections,
             max_segment_bytes: args.max_segment_bytes,
             idle_timeout: Duration::from_secs(args.idle_timeout_s),
+            offload_bytes_per_s: args.connector_offload_bytes_per_s,
         },
         stopped(stop_rx),
     ));

@@ -126,6 +126,11 @@ pub struct Args {
     /// Close a connector connection idle this long, seconds.
     #[arg(long, default_value_t = 300)]
     pub idle_timeout_s: u64,
+    /// Bytes of blocks one connection may offload per second, in bursts of up to one second's
+    /// worth; the blocks of an offload past it are not stored (answered as `skipped`), so one
+    /// flooding connector cannot evict every other's blocks. 0: no bound.
+    #[arg(long, default_value_t = 0)]
+    pub connector_offload_bytes_per_s: u64,
     /// The most block keys in one published envelope.
     #[arg(long, default_value_t = 4096)]
     pub max_keys_per_envelope: usize,

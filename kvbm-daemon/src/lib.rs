@@ -10,6 +10,7 @@
 //! - [`outbox`]: those events sealed into per-layout envelopes from a node source, and
 //!   snapshots consistent with them (pure);
 //! - [`protocol`]: the connector protocol's messages and framing (pure, bounded);
+//! - [`ratelimit`]: a connection's offload budget in bytes per second (pure);
 //! - [`service`]: the store and outbox under one mutex, the queued remote writes, onboard's
 //!   remote fetches;
 //! - edges: [`server`] (the Unix socket; [`fdpass`] and [`segment`] for the shared-memory
@@ -29,6 +30,7 @@ pub mod metrics;
 pub mod nats;
 pub mod outbox;
 pub mod protocol;
+pub mod ratelimit;
 pub mod remote;
 pub mod segment;
 pub mod server;

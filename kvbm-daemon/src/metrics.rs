@@ -64,6 +64,8 @@ pub struct Metrics {
     pub outbox_overflows: AtomicU64,
     /// Whether NATS is connected.
     pub nats_connected: AtomicBool,
+    /// Offloaded blocks not stored because their connection was over its offload budget.
+    pub offload_throttled_blocks: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -85,6 +87,7 @@ impl Default for Metrics {
             snapshot_errors: AtomicU64::new(0),
             outbox_overflows: AtomicU64::new(0),
             nats_connected: AtomicBool::new(false),
+            offload_throttled_blocks: AtomicU64::new(0),
         }
     }
 }
@@ -303,6 +306,13 @@ impl Metrics {
             "Offloaded blocks not stored because pinned blocks left their tier no room.",
             &[],
             c.skipped as f64,
+        )
+        .single(
+            "kvgate_kvbm_offload_throttled_blocks_total",
+            Kind::Counter,
+            "Offloaded blocks not stored because their connection was over --connector-offload-bytes-per-s.",
+            &[],
+            get(&self.offload_throttled_blocks),
         );
         let (w, [queued_disk, queued_remote]) =
             ([&self.disk_writes, &self.remote_writes], queued_bytes);

@@ -13,6 +13,7 @@ use tokio::net::{UnixListener, UnixStream};
 use crate::fdpass;
 use crate::held::HeldPins;
 use crate::protocol::{self, ErrorCode, Request, Response, Slot};
+use crate::ratelimit::ByteBucket;
 use crate::segment::Segment;
 use crate::service::{Service, ServiceError};
 use crate::store::{Layout, LayoutId, StoreError};
@@ -26,6 +27,8 @@ pub struct ServerConfig {
     pub max_segment_bytes: u64,
     /// A connection idle this long (or a handshake slower than this) is closed.
     pub idle_timeout: Duration,
+    /// Bytes one connection may offload per second (0: no bound).
+    pub offload_bytes_per_s: u64,
 }
 
 /// Serves `listener` until `shutdown` completes.
@@ -90,6 +93,8 @@ struct Session {
     segment: Segment,
     /// The pins this connection holds (released when it closes).
     pins: HeldPins,
+    /// Its offload budget, if bounded.
+    budget: Option<ByteBucket>,
 }
 
 async fn connection(
@@ -235,7 +240,39 @@ async fn handle(
         Request::Register { .. } => {
             return (error(ErrorCode::Sequence, "register sent twice"), true);
         }
-        Request::Offload { parent, blocks } => offload(s, parent, &blocks, service),
+        Request::Offload { parent, blocks } => {
+            if let Err(r) = check_slots(s, &blocks) {
+                return (r, false);
+            }
+            // Past its budget, a chain's tail is not read or stored: `skipped`.
+            let allowed = s.budget.as_mut().map_or(blocks.len(), |b| {
+                b.grant(Instant::now(), blocks.len(), s.block_bytes)
+            });
+            let throttled = blocks.len() - allowed;
+            if throttled > 0 {
+                service
+                    .metrics()
+                    .offload_throttled_blocks
+                    .fetch_add(throttled as u64, Ordering::Relaxed);
+            }
+            match offload(
+                s,
+                parent,
+                blocks.get(..allowed).unwrap_or_default(),
+                service,
+            ) {
+                Response::Offloaded {
+                    stored,
+                    present,
+                    skipped,
+                } => Response::Offloaded {
+                    stored,
+                    present,
+                    skipped: skipped.saturating_add(u32::try_from(throttled).unwrap_or(u32::MAX)),
+                },
+                other => other,
+            }
+        }
         Request::Lookup { keys, pin_ms } => {
             let pin = Duration::from_millis(u64::from(pin_ms));
             // Taken before the service pins, so this connection's deadline is never later
@@ -307,6 +344,9 @@ fn register(
                 block_bytes,
                 segment,
                 pins: HeldPins::default(),
+                budget: (config.offload_bytes_per_s > 0).then(|| {
+                    ByteBucket::new(config.offload_bytes_per_s, block_bytes, Instant::now())
+                }),
             });
             Response::Registered { layout_id: id.0 }
         }
@@ -335,10 +375,8 @@ fn check_slots(s: &Session, slots: &[Slot]) -> Result<(), Response> {
     Ok(())
 }
 
+/// Stores the blocks of `slots` (checked against the segment already).
 fn offload(s: &Session, parent: Option<u64>, slots: &[Slot], service: &Service) -> Response {
-    if let Err(r) = check_slots(s, slots) {
-        return r;
-    }
     let (mut stored, mut present, mut skipped) = (0u32, 0u32, 0u32);
     let mut parent = parent.map(BlockKey);
     for chunk in slots.chunks(chunk_len(s.block_bytes)) {

@@ -871,3 +871,52 @@ async fn a_connector_sees_only_the_blocks_of_its_own_layout() {
         Err(ClientError::Refused { .. })
     ));
 }
+
+/// With `--connector-offload-bytes-per-s`, a connector that floods stores one second's worth
+/// of blocks at once and the rest is `skipped`; another connection has a budget of its own, so
+/// the flood neither starves it nor evicts what it stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_connector_is_held_to_its_offload_budget() {
+    let budget = [
+        "--connector-offload-bytes-per-s".to_owned(),
+        (4 * BLOCK).to_string(),
+    ];
+    let s = stack_in(test_dir(), 8 * BLOCK, &budget);
+    let mut calm = Client::connect(&s.socket, layout(), 8 * BLOCK)
+        .await
+        .unwrap();
+    let mine = stage(&calm, &[1, 2]);
+    assert_eq!(calm.offload(None, mine.clone()).await.unwrap(), (2, 0, 0));
+
+    let mut flood = Client::connect(&s.socket, layout(), 16 * BLOCK)
+        .await
+        .unwrap();
+    let keys: Vec<u64> = (100..116).collect();
+    let slots = stage(&flood, &keys);
+    // Four blocks' worth of budget: the chain's first four are stored, twelve skipped.
+    assert_eq!(
+        flood.offload(None, slots.clone()).await.unwrap(),
+        (4, 0, 12)
+    );
+    assert_eq!(flood.lookup(keys.clone()).await.unwrap(), (4, 4));
+    // At once again: nothing left of the budget.
+    let rest: Vec<Slot> = slots.get(4..).unwrap().to_vec();
+    assert_eq!(
+        flood.offload(Some(103), rest.clone()).await.unwrap(),
+        (0, 0, 12)
+    );
+    // The host tier (8 blocks) still holds the calm connector's blocks.
+    assert_eq!(calm.lookup(vec![1, 2]).await.unwrap(), (2, 2));
+    assert_eq!(calm.onboard(mine.clone()).await.unwrap().blocks, 2);
+    assert_intact(&calm, &mine);
+    // Six tenths of a second refill two blocks' worth (three if this machine stalls).
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let (stored, present, skipped) = flood.offload(Some(103), rest).await.unwrap();
+    assert!((2..=3).contains(&stored), "{stored} stored");
+    assert_eq!((present, stored + skipped), (0, 12));
+    let text = metrics(s.metrics_port).await;
+    assert_eq!(
+        metric(&text, "kvgate_kvbm_offload_throttled_blocks_total"),
+        f64::from(24 + skipped)
+    );
+}
