@@ -52,10 +52,16 @@ async fn blocks_round_trip_and_missing_ones_are_none() {
         .unwrap(),
     );
     small.put(b"big", &block).await.unwrap();
-    assert!(matches!(
-        small.get(b"big").await,
-        Err(RemoteError::Protocol(_))
-    ));
+    match small.get(b"big").await {
+        Err(e @ RemoteError::TooLarge { limit: 1024, .. }) => assert!(!e.is_transient()),
+        other => panic!("{other:?}"),
+    }
+    // A value of exactly the bound is read.
+    small.put(b"full", &block[..1024]).await.unwrap();
+    assert_eq!(
+        small.get(b"full").await.unwrap().as_deref(),
+        Some(&block[..1024])
+    );
     // ...and the connection recovers for the next command.
     assert_eq!(small.get(b"absent").await.unwrap(), None);
 }

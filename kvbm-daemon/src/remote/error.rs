@@ -2,8 +2,6 @@
 
 use std::time::Duration;
 
-use super::resp::{Reply, RespError};
-
 /// Why a remote-tier command (Redis or S3) failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RemoteError {
@@ -16,9 +14,16 @@ pub enum RemoteError {
     /// The command did not complete in time.
     #[error("remote command timed out after {0:?}")]
     Timeout(Duration),
-    /// The server broke the protocol or a bound.
-    #[error("Redis protocol: {0}")]
-    Protocol(#[from] RespError),
+    /// Redis: the client library failed the command: connecting, the connection, or a reply
+    /// it could not read.
+    #[error("Redis {command}: {source}")]
+    Redis {
+        /// The command.
+        command: &'static str,
+        /// The library's error.
+        #[source]
+        source: ::redis::RedisError,
+    },
     /// The server refused the command.
     #[error("Redis refused {command}: {message}")]
     Refused {
@@ -28,12 +33,12 @@ pub enum RemoteError {
         message: String,
     },
     /// A reply of the wrong type.
-    #[error("unexpected Redis reply to {command}: {reply:?}")]
+    #[error("unexpected Redis reply to {command}: {reply}")]
     Unexpected {
         /// The command.
         command: &'static str,
-        /// The reply.
-        reply: Reply,
+        /// The reply, as the library shows it.
+        reply: String,
     },
     /// TLS could not be set up (the CA bundle) or the handshake failed.
     #[error("remote TLS: {0}")]
@@ -56,8 +61,8 @@ pub enum RemoteError {
     /// S3: an object whose body does not match the SHA-256 stored with it, or that has none.
     #[error("S3 object damaged: {0}")]
     Integrity(String),
-    /// S3: an object larger than the largest block the tier takes.
-    #[error("S3 {op}: the object is larger than {limit} bytes")]
+    /// A value (Redis) or object (S3) larger than the block read: refused, not read whole.
+    #[error("remote {op}: the value is larger than {limit} bytes")]
     TooLarge {
         /// The operation.
         op: &'static str,
@@ -76,7 +81,8 @@ impl RemoteError {
             Self::Url(_) => "url",
             Self::Io(_) => "io",
             Self::Timeout(_) => "timeout",
-            Self::Protocol(_) => "protocol",
+            Self::Redis { source, .. } if is_connection(source) => "io",
+            Self::Redis { .. } => "protocol",
             Self::Refused { .. } => "refused",
             Self::Unexpected { .. } => "unexpected",
             Self::Tls(_) => "tls",
@@ -100,11 +106,11 @@ impl RemoteError {
             | Self::Http(_)
             | Self::Tls(_)
             | Self::Refused { .. } => true,
+            Self::Redis { source, .. } => is_connection(source),
             Self::Status { status, code, .. } => {
                 *status >= 500 || *status == 429 || *status == 408 || code == "SlowDown"
             }
             Self::Url(_)
-            | Self::Protocol(_)
             | Self::Unexpected { .. }
             | Self::TooLarge { .. }
             | Self::Credentials(_)
@@ -117,4 +123,10 @@ impl RemoteError {
     pub fn is_config_refusal(&self) -> bool {
         matches!(self, Self::Status { status, .. } if (300..500).contains(status) && !self.is_transient())
     }
+}
+
+/// Whether the Redis library's error is about the connection (refused, dropped, timed out,
+/// not established) rather than a reply.
+fn is_connection(e: &::redis::RedisError) -> bool {
+    e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout()
 }

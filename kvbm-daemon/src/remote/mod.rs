@@ -1,6 +1,6 @@
-//! The remote tier (G4) at the edge: a Redis client ([`redis`]) over a bounded RESP2 codec
-//! ([`resp`]), or an S3 client ([`s3`]) signing with SigV4 ([`sigv4`]); the names blocks take
-//! there, and [`Remote`], the one the daemon was given.
+//! The remote tier (G4) at the edge: a Redis client ([`redis`], on the `redis` crate), or an
+//! S3 client ([`s3`]) signing with SigV4 ([`sigv4`]); the names blocks take there, and
+//! [`Remote`], the one the daemon was given.
 //!
 //! The remote store is shared by every node's daemon, so a block's name carries what makes its
 //! bytes interchangeable: the layout's [fingerprint](crate::store::Layout::fingerprint) (not
@@ -9,7 +9,6 @@
 
 pub mod error;
 pub mod redis;
-pub mod resp;
 pub mod s3;
 pub mod sigv4;
 pub mod tls;
