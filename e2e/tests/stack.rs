@@ -688,6 +688,88 @@ fn an_offloaded_prefix_is_routed_back_to_the_engine_holding_it_in_host_memory() 
     finish(stack);
 }
 
+/// The block manager's disk tier in the data path: with host memory too small for a prompt,
+/// its blocks go down to the node's disk; evicted from the engine's GPU, the prefix is loaded
+/// back from disk, and the EPP counts the node's disk tier as where the chosen endpoint's
+/// copy of it is.
+#[test]
+fn a_prefix_demoted_to_the_block_managers_disk_is_onboarded_from_it() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // The `small` preset's blocks are 2 MiB: host memory holds 8 of a prompt's ~39.
+    let stack = start(StackConfig {
+        engines: 2,
+        engine_args: ["--num-gpu-blocks", "48", "--max-model-len", "752"]
+            .map(String::from)
+            .to_vec(),
+        subset_header: true,
+        kvbm: Some(KvbmConfig {
+            host_bytes: 16 << 20,
+            disk_bytes: 1 << 30,
+            remote_bytes: 0,
+            ..KvbmConfig::default()
+        }),
+        ..StackConfig::default()
+    });
+    let listed = stack.endpoints();
+    let holder = [("x-gateway-destination-endpoint-subset", listed[0].as_str())];
+    let system = long_system("kvbm disk");
+    let first = send(&stack, &chat(&system, "question 0", 4, false), &holder);
+    assert!(first.ok(), "{first:?}");
+    for i in 0..3 {
+        let r = send(
+            &stack,
+            &chat(&long_system(&format!("disk filler {i}")), "q", 4, false),
+            &holder,
+        );
+        assert!(r.ok(), "{r:?}");
+    }
+    let sim = |i: usize, name: &str| {
+        let page = stack.engine_metrics(i).unwrap();
+        probe::metric_sum(&page, name).unwrap_or_else(|| panic!("no {name} in {page}"))
+    };
+    wait_for(
+        "the holder to offload every block it cached",
+        Duration::from_secs(5),
+        || sim(0, "kvgate_sim_kvbm_offloaded_blocks_total") >= 4.0 * 36.0,
+    );
+    // Past the speculative entries' 2 s TTL: the daemon's events credit the prefix now.
+    std::thread::sleep(Duration::from_millis(2_700));
+    let disk_hits = |stack: &Stack| {
+        let page = stack.epp_metrics().unwrap();
+        page.lines()
+            .find_map(|l| {
+                l.strip_prefix("kvgate_epp_prompt_blocks_hit_by_tier_total{")?
+                    .split_once("tier=\"disk\"} ")?
+                    .1
+                    .parse::<f64>()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("no disk tier hits in {page}"))
+    };
+    let before = disk_hits(&stack);
+    let again = send(&stack, &chat(&system, "question 1", 4, false), &[]);
+    assert!(again.ok(), "{again:?}");
+    assert!(again.cached_tokens() >= 512, "{again:?}");
+    let served = listed.iter().position(|e| e == again.upstream()).unwrap();
+    let from_disk = stack
+        .engine_metrics(served)
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("kvgate_sim_kvbm_onboarded_blocks_total{tier=\"disk\"} ")?
+                .parse::<f64>()
+                .ok()
+        })
+        .unwrap_or(0.0);
+    assert!(from_disk >= 24.0, "{from_disk} blocks onboarded from disk");
+    let credited = disk_hits(&stack) - before;
+    assert!(
+        credited >= 24.0,
+        "the EPP saw the node's disk tier hold the prefix: {credited} blocks"
+    );
+    finish(stack);
+}
+
 /// The block manager in the data path: every simulator offloads the blocks it caches to the
 /// node's `kvgate-kvbm`; a prefix evicted from an engine's GPU is onboarded back from the
 /// daemon (cached tokens in the response) by whichever engine of the node gets it, and the EPP

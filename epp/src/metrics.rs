@@ -261,6 +261,23 @@ pub fn render(s: &Sources) -> String {
         n.render_into(&l, &mut out);
     }
     let mut e = telemetry::Exposition::new();
+    e.family(
+        "kvgate_epp_prompt_blocks_hit_by_tier_total",
+        telemetry::Kind::Counter,
+        "Prompt blocks the chosen endpoint held, by the tier of its fastest copy (gpu, or the node's host, disk, remote), credited or not.",
+    );
+    for (counter, tier) in p
+        .tier_hit_blocks
+        .iter()
+        .zip(["gpu", "host", "disk", "remote"])
+    {
+        #[allow(clippy::cast_precision_loss)]
+        e.sample(
+            "kvgate_epp_prompt_blocks_hit_by_tier_total",
+            &[("pool", &s.pool), ("tier", tier)],
+            get(counter) as f64,
+        );
+    }
     #[allow(clippy::cast_precision_loss)]
     e.single(
         "inference_pool_ready_pods",
@@ -513,6 +530,7 @@ mod tests {
         picker.routed.store(3, Ordering::Relaxed);
         picker.prompt_blocks.store(10, Ordering::Relaxed);
         picker.gpu_hit_blocks.store(4, Ordering::Relaxed);
+        picker.tier_hit_blocks[2].store(3, Ordering::Relaxed);
         let s = Sources {
             pool: "p\"1".into(),
             picker,
@@ -536,6 +554,8 @@ mod tests {
             "kvgate_epp_kube_watch_up{pool=\"p\\\"1\",watch=\"pods\"} 1",
             "kvgate_epp_kube_stale_seconds{pool=\"p\\\"1\"} 0",
             "kvgate_epp_kube_relists_total{pool=\"p\\\"1\",watch=\"pods\",reason=\"periodic\"} 0",
+            "kvgate_epp_prompt_blocks_hit_by_tier_total{pool=\"p\\\"1\",tier=\"disk\"} 3",
+            "kvgate_epp_prompt_blocks_hit_by_tier_total{pool=\"p\\\"1\",tier=\"gpu\"} 0",
             "kvgate_epp_response_handoffs_parked{pool=\"p\\\"1\"} 0",
             "kvgate_epp_response_handoffs_total{pool=\"p\\\"1\",outcome=\"expired\"} 0",
         ] {

@@ -335,12 +335,18 @@ mod tests {
         let plain = request_block_keys("tiny", None, SaltStyle::VllmExtraKey, &tokens, 32);
         assert_eq!(
             plain,
-            [BlockKey(0x0fc2_27e9_5bb2_e74f), BlockKey(0x0830_08a9_c290_7837)]
+            [
+                BlockKey(0x0fc2_27e9_5bb2_e74f),
+                BlockKey(0x0830_08a9_c290_7837)
+            ]
         );
         let salted = request_block_keys("tiny", Some("s1"), SaltStyle::VllmExtraKey, &tokens, 32);
         assert_eq!(
             salted,
-            [BlockKey(0x63e1_920f_49cb_ab14), BlockKey(0xc853_cc2a_069d_d863)]
+            [
+                BlockKey(0x63e1_920f_49cb_ab14),
+                BlockKey(0xc853_cc2a_069d_d863)
+            ]
         );
     }
 }

@@ -49,8 +49,11 @@ pub struct PickerStats {
     pub approximate_keys: AtomicU64,
     /// Prompt blocks looked up.
     pub prompt_blocks: AtomicU64,
-    /// Of those, blocks the primary held on GPU.
+    /// Of those, blocks the primary held in a credited tier (not computed).
     pub gpu_hit_blocks: AtomicU64,
+    /// Of those, per tier (GPU, host, disk, remote): blocks whose fastest copy for the primary
+    /// was in that tier, credited or not.
+    pub tier_hit_blocks: [AtomicU64; 4],
     /// Requests whose keying stopped before the end of the prompt (no endpoint held the newest
     /// key); their token counts are estimates.
     pub early_stops: AtomicU64,
@@ -505,6 +508,9 @@ impl Router for Picker {
             ),
             Ordering::Relaxed,
         );
+        for (counter, tier) in s.tier_hit_blocks.iter().zip(Tier::ALL) {
+            counter.fetch_add(u64::from(decision.overlap.hits(tier)), Ordering::Relaxed);
+        }
         let mut add_headers = Vec::new();
         if let Some(prefill) = decision.prefill {
             add_headers.push((
