@@ -1,6 +1,6 @@
-//! kvgate's development and test tools: `kvgate-sim`, a vLLM-compatible engine simulator
-//! (issue #4), and `kvgate-bench`, the local stack launcher, load generator and benchmark
-//! reports (issue #7): `kvgate-bench up` runs the local stack ([`stack`]), `load` and `report` drive and
+//! kvgate's development and test tools: `kvgate-sim`, a vLLM-compatible engine simulator, and
+//! `kvgate-bench`, the local stack launcher, load generator and benchmark reports:
+//! `kvgate-bench up` runs the local stack ([`stack`]), `load` and `report` drive and
 //! summarise workloads ([`load`]), `compare` sweeps policies and loads on one stack ([`compare`]),
 //! `replay` runs the same workloads in virtual time ([`replay_cmd`]), `profile` measures a
 //! replica's profile for the planner ([`profile_cmd`]) and `autoscale` evaluates the planner

@@ -1,24 +1,27 @@
-//! `kvgate-kvbm` is the per-node KV block manager: G2 host memory, G3 NVMe (O_DIRECT, GDS when
-//! present) and G4 remote (Redis or S3) tiers, an offload/onboard API for engine connectors
-//! over a Unix socket with shared-memory block data, and tier residency published on NATS.
+//! `kvgate-kvbm` is the per-node KV block manager: G2 host memory, G3 local disk (a file per
+//! block, `O_DIRECT` where the file system takes it) and G4 remote (Redis or S3) tiers, an
+//! offload/onboard API for engine connectors over a Unix socket with shared-memory block data,
+//! and tier residency published on NATS.
 //!
 //! The pure core and its edges:
 //!
-//! - [`store`]: the block store — host (G2) and remote (G4) tiers, byte-budgeted LRU,
-//!   demotion of host evictions to remote, promotion on onboard, every residency change as an
-//!   ordered kvgate event (property-tested against a naive model and an event receiver);
+//! - [`store`]: the block store — host, disk and remote tiers, byte-budgeted LRU, demotion of
+//!   host evictions to the lower tiers, promotion on onboard, pins with a deadline, every
+//!   residency change as an ordered kvgate event (property-tested against a naive model and an
+//!   event receiver);
 //! - [`outbox`]: those events sealed into per-layout envelopes from a node source, and
 //!   snapshots consistent with them (pure);
 //! - [`protocol`]: the connector protocol's messages and framing (pure, bounded);
 //! - [`ratelimit`]: a connection's offload budget in bytes per second (pure);
-//! - [`service`]: the store and outbox under one mutex, the queued remote writes, onboard's
-//!   remote fetches;
+//! - [`service`]: the store and outbox under one mutex, the queued lower-tier writes,
+//!   onboard's disk and remote reads;
 //! - edges: [`server`] (the Unix socket; [`fdpass`] and [`segment`] for the shared-memory
-//!   data path), [`remote`] (Redis or S3), [`nats`] (envelopes, snapshots), metrics and health;
-//! - [`client`]: the reference connector.
+//!   data path), [`disk`], [`remote`] (Redis or S3), [`nats`] (envelopes, snapshots), metrics
+//!   and health;
+//! - [`client`]: the Rust reference connector (vLLM's is `connectors/vllm`, in Python).
 //!
-//! `docs/kvbm.md` documents the protocol, flags, metrics and what is not in this build (the
-//! disk tier, GDS, S3, pinning, NIXL, engine connectors).
+//! `docs/kvbm.md` documents the protocol, flags, metrics and what is not in this build
+//! (GPUDirect Storage, a page-locked host pool, NIXL, an SGLang connector).
 
 mod app;
 mod args;

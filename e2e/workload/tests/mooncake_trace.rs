@@ -12,22 +12,23 @@ use std::time::Duration;
 
 use workload::{MooncakeOptions, Pacing, read_mooncake};
 
-fn trace() -> Option<PathBuf> {
+/// The shared trace; a missing one fails the test (the bootstrap's `../shared` holds it).
+fn trace() -> PathBuf {
     let shared = std::env::var_os("KVGATE_SHARED")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
     let path = shared.join("traces/mooncake_conversation_trace.jsonl");
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!("skipping: {} not found (set KVGATE_SHARED)", path.display());
-        None
-    }
+    assert!(
+        path.is_file(),
+        "{} not found (set KVGATE_SHARED)",
+        path.display()
+    );
+    path
 }
 
 #[test]
 fn the_whole_trace_reads_into_12031_sessions() {
-    let Some(path) = trace() else { return };
+    let path = trace();
     let file = BufReader::new(std::fs::File::open(&path).unwrap());
     let w = read_mooncake(file, &MooncakeOptions::default()).unwrap();
     assert_eq!(w.pacing, Pacing::Open);
@@ -58,7 +59,7 @@ fn the_whole_trace_reads_into_12031_sessions() {
 
 #[test]
 fn a_sped_up_window_of_the_trace() {
-    let Some(path) = trace() else { return };
+    let path = trace();
     let options = MooncakeOptions {
         speedup: 10.0,
         window: Some(Duration::from_secs(600)..Duration::from_secs(1_200)),
