@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,15 +34,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from .blocks import BlockCopier
 from .client import Client, Reconnecting
+from .counters import COUNTERS, Counts, merge
 from .plan import Planner, Scheduled, Transfer
 from .protocol import Layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -139,24 +145,51 @@ def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model: str,
     )
 
 
-class _Stats:
-    """Counters, logged every ``every_s`` seconds when they moved."""
+class KvgateStats(KVConnectorStats):
+    """The connector's counters on their way to vLLM's logger and Prometheus (``counters``)."""
 
-    def __init__(self, every_s: float = 60.0) -> None:
-        self.counts: dict[str, int] = {}
-        self._every_s = every_s
-        self._next = time.monotonic() + every_s
+    def reset(self) -> None:
+        self.data = {}
 
-    def add(self, name: str, n: int = 1) -> None:
-        if n:
-            self.counts[name] = self.counts.get(name, 0) + n
+    def aggregate(self, other: KVConnectorStats) -> KvgateStats:
+        self.data = merge(self.data, other.data)
+        return self
 
-    def maybe_log(self, side: str) -> None:
-        now = time.monotonic()
-        if now >= self._next:
-            self._next = now + self._every_s
-            if self.counts:
-                log.info("kvgate connector (%s): %s", side, self.counts)
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvgatePromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvgate_<counter>_total`` per engine, one per ``counters.COUNTERS``."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(
+                    name=f"vllm:kvgate_{name}",
+                    documentation=f"kvgate connector: {doc}",
+                    labelnames=labelnames,
+                ),
+                per_engine_labelvalues,
+            )
+            for name, doc in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, n in transfer_stats_data.items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and n > 0 and engine_idx in per_engine:
+                per_engine[engine_idx].inc(n)
 
 
 class KvgateConnector(KVConnectorBase_V1):
@@ -170,7 +203,7 @@ class KvgateConnector(KVConnectorBase_V1):
         self._settings = Settings.parse(dict(self._kv_transfer_config.kv_connector_extra_config))
         self._model = self._settings.model or _served_name(vllm_config)
         self._block_size = vllm_config.cache_config.block_size
-        self._stats = _Stats()
+        self._stats = Counts()
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning(
                 "kvgate connector: kv_load_failure_policy is %r; a block the daemon loses "
@@ -202,16 +235,23 @@ class KvgateConnector(KVConnectorBase_V1):
         client, pin_ms = self._client, self._settings.pin_ms
         lora = getattr(request, "lora_request", None)
         model = lora.lora_name if lora is not None else self._model
+        stats = self._stats
+
+        def lookup(keys: list[int]):
+            found = client.call(lambda c: c.lookup(keys, pin_ms))
+            stats.add("lookups")
+            if found is None:
+                stats.add("lookups_failed")
+            return found
+
         n = self._planner.match(
             request.request_id,
             model,
             request.all_token_ids,
             getattr(request, "cache_salt", None),
             num_computed_tokens,
-            lambda keys: client.call(lambda c: c.lookup(keys, pin_ms)),
+            lookup,
         )
-        self._stats.add("lookups")
-        self._stats.add("hit_tokens", n)
         return n, False
 
     def update_state_after_alloc(
@@ -245,8 +285,6 @@ class KvgateConnector(KVConnectorBase_V1):
         loads, saves, unpins = self._planner.step(steps)
         for keys in unpins:
             self._client.call(lambda c, keys=keys: c.unpin(keys))
-        self._stats.add("load_blocks_planned", sum(len(t.keys) for t in loads))
-        self._stats.maybe_log("scheduler")
         return KvgateMetadata(loads, saves)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -299,8 +337,8 @@ class KvgateConnector(KVConnectorBase_V1):
             copier.scatter(staging, ids[:n])
             self._stats.add("loaded_blocks", n)
             if got is not None:
-                self._stats.add("loaded_from_disk", got.from_disk)
-                self._stats.add("loaded_from_remote", got.from_remote)
+                self._stats.add("loaded_from_disk_blocks", got.from_disk)
+                self._stats.add("loaded_from_remote_blocks", got.from_remote)
             if n < len(keys):
                 failed = t.block_ids[start + n :]
                 self._load_errors.update(failed)
@@ -333,7 +371,6 @@ class KvgateConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvgateMetadata)
         for t in meta.saves:
             self._save(t)
-        self._stats.maybe_log("worker")
 
     def _save(self, t: Transfer) -> None:
         assert self._client is not None and self._copier is not None and self._staging is not None
@@ -349,6 +386,24 @@ class KvgateConnector(KVConnectorBase_V1):
             self._stats.add("offloaded_blocks", done.stored)
             self._stats.add("offload_skipped_blocks", done.skipped)
             parent = keys[-1]
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        delta = self._stats.take()
+        return KvgateStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvgateStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KvgatePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -91,6 +91,14 @@ class Vllm:
                 self.proc.wait()
 
 
+def eventually(what: str, cond, timeout_s: float = 10.0) -> None:
+    """vLLM's frontend records the connector's stats a little after the step."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
 def words(seed: int, n: int = 300) -> str:
     rnd = random.Random(seed)
     names = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india"]
@@ -138,6 +146,13 @@ def test_a_prefix_evicted_from_vllm_comes_back_from_the_block_manager(stack):
     # ... where a prompt differing in its first word gives other values (so the check has power).
     other = engine.complete("zulu" + prompt[5:])
     assert logprobs(other) != logprobs(first)
+    # The connector's own counters reach vLLM's Prometheus endpoint.
+    eventually(
+        "vllm:kvgate_loaded_blocks_total",
+        lambda: engine.metric("vllm:kvgate_loaded_blocks_total") >= expected // BLOCK,
+    )
+    assert engine.metric("vllm:kvgate_offloaded_blocks_total") >= 9 * (tokens // BLOCK)
+    assert engine.metric("vllm:kvgate_load_failed_blocks_total") == 0
 
 
 def test_a_daemon_restart_loses_no_request_and_the_connector_reconnects(stack):
@@ -149,6 +164,11 @@ def test_a_daemon_restart_loses_no_request_and_the_connector_reconnects(stack):
     evict(engine, 200)
     during = engine.complete(prompt)
     assert cached(during) == 0
+    eventually(
+        "lookups and offloads counted as failed while the daemon is away",
+        lambda: engine.metric("vllm:kvgate_lookups_failed_total") >= 1
+        and engine.metric("vllm:kvgate_offload_dropped_blocks_total") >= 1,
+    )
     daemon.start()  # empty: its blocks did not survive
     time.sleep(1.0)  # past the connector's 0.5 s back-off
     engine.complete(prompt)  # computed again, and offloaded to the new daemon
