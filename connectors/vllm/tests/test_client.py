@@ -101,3 +101,36 @@ def test_segments_are_memfds_the_daemon_accepts_and_bounded_views(daemon):
     with pytest.raises(ValueError, match="outside"):
         seg.view(BB, 2 * BB)
     seg.close()
+
+
+def test_a_daemon_that_hangs_is_tried_less_and_less_often(tmp_path):
+    import socket as socketlib
+    import threading
+
+    # A listener that accepts and never answers: each try costs one timeout.
+    path = str(tmp_path / "hung.sock")
+    listener = socketlib.socket(socketlib.AF_UNIX)
+    listener.bind(path)
+    listener.listen(16)
+    accepted = []
+
+    def accept():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    now = [0.0]
+    r = Reconnecting(path, LAYOUT, BB, timeout_s=0.1, retry_s=1.0, max_retry_s=4.0, clock=lambda: now[0])
+    tries = []
+    for t in [0, 0.5, 1, 2, 3, 6, 7, 11, 14, 15]:
+        now[0] = t
+        assert r.call(lambda c: c.lookup([1])) is None
+        tries.append(len(accepted))
+    # Tried at 0, 1 (after 1 s), 3 (2 s), 7 (4 s), 11 (capped at 4 s), 15.
+    assert tries == [1, 1, 2, 2, 3, 3, 4, 5, 5, 6]
+    listener.close()
+    r.close()

@@ -173,24 +173,29 @@ class Client:
 
 
 class Reconnecting:
-    """A client that connects on first use and again after a failure, at most once per
-    ``retry_s``. While the daemon is away, ``call`` returns None at once: the engine computes
-    what it would have loaded, and offloads are dropped."""
+    """A client that connects on first use and again after a failure: ``retry_s`` after the
+    first, doubling after each failure in a row up to ``max_retry_s`` (a daemon that hangs
+    costs the engine one ``timeout_s`` per try, not one per request), back to ``retry_s`` once a
+    request succeeds. While the daemon is away, ``call`` returns None at once: the engine
+    computes what it would have loaded, and offloads are dropped."""
 
     def __init__(
         self,
         path: str,
         layout: Layout,
         segment_bytes: int,
-        timeout_s: float = 5.0,
+        timeout_s: float = 2.0,
         retry_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        max_retry_s: float = 30.0,
     ) -> None:
         self.path = path
         self.layout = layout
         self.segment = Segment(segment_bytes)
         self._timeout_s = timeout_s
         self._retry_s = retry_s
+        self._max_retry_s = max(retry_s, max_retry_s)
+        self._backoff = retry_s
         self._clock = clock
         self._client: Client | None = None
         self._next_try = 0.0
@@ -202,15 +207,13 @@ class Reconnecting:
     def _connected(self) -> Client | None:
         if self._client is not None and self._client.connected:
             return self._client
-        now = self._clock()
-        if now < self._next_try:
+        if self._clock() < self._next_try:
             return None
-        self._next_try = now + self._retry_s
         try:
             self._client = Client(self.path, self.layout, self.segment, self._timeout_s)
         except (ConnectionLost, DaemonError) as e:
-            log.warning("kvgate: block manager unavailable (%s); retrying in %.1f s", e, self._retry_s)
             self._client = None
+            self._failed(f"block manager unavailable ({e})")
             return None
         self.connects += 1
         log.info(
@@ -227,16 +230,23 @@ class Reconnecting:
         if client is None:
             return None
         try:
-            return op(client)
+            result = op(client)
         except ConnectionLost as e:
             self.failures += 1
-            self._next_try = self._clock() + self._retry_s
-            log.warning("kvgate: block manager connection lost: %s", e)
+            self._failed(f"block manager connection lost: {e}")
             return None
         except DaemonError as e:
             self.failures += 1
             log.warning("kvgate: block manager refused a request: %s", e)
             return None
+        self._backoff = self._retry_s
+        return result
+
+    def _failed(self, why: str) -> None:
+        """No connection until the back-off has passed; the next failure waits twice as long."""
+        log.warning("kvgate: %s; retrying in %.1f s", why, self._backoff)
+        self._next_try = self._clock() + self._backoff
+        self._backoff = min(self._backoff * 2, self._max_retry_s)
 
     def close(self) -> None:
         if self._client is not None:

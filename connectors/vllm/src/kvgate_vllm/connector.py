@@ -89,9 +89,11 @@ class Settings:
     #: The worker's staging segment, bytes (rounded down to whole blocks, at least one).
     segment_bytes: int = 256 << 20
     #: Per-request timeout on the socket, s.
-    timeout_s: float = 5.0
-    #: Wait this long before reconnecting after a failure, s.
+    timeout_s: float = 2.0
+    #: Wait this long before reconnecting after a failure, s (doubling while failures go on).
     retry_s: float = 1.0
+    #: The longest wait between reconnection tries, s.
+    max_retry_s: float = 30.0
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> Settings:
@@ -105,7 +107,13 @@ class Settings:
         values: dict[str, Any] = {"socket": os.environ.get("KVGATE_KVBM_SOCKET", DEFAULT_SOCKET)}
         values.update(extra)
         s = cls(**values)
-        if s.pin_ms < 0 or s.segment_bytes <= 0 or s.timeout_s <= 0 or s.retry_s < 0:
+        if (
+            s.pin_ms < 0
+            or s.segment_bytes <= 0
+            or s.timeout_s <= 0
+            or s.retry_s < 0
+            or s.max_retry_s < s.retry_s
+        ):
             raise ValueError(f"kvgate connector: invalid settings {s}")
         return s
 
@@ -224,7 +232,9 @@ class KvgateConnector(KVConnectorBase_V1):
 
     def _connect(self, layout: Layout, segment_bytes: int) -> Reconnecting:
         s = self._settings
-        return Reconnecting(s.socket, layout, segment_bytes, s.timeout_s, s.retry_s)
+        return Reconnecting(
+            s.socket, layout, segment_bytes, s.timeout_s, s.retry_s, max_retry_s=s.max_retry_s
+        )
 
     # ---------------------------------------------------------------- scheduler side
 
