@@ -35,7 +35,7 @@ class Vllm:
             "kv_connector_module_path": "kvgate_vllm.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket": socket, "retry_s": 0.5},
+            "kv_connector_extra_config": {"socket": socket, "retry_s": 0.5, "max_retry_s": 1.0},
         }
         env = dict(os.environ, PYTHONPATH=str(ROOT / "connectors" / "vllm" / "src"), TMPDIR=str(tmp))
         self.log = tmp / "vllm.log"
@@ -170,7 +170,7 @@ def test_a_daemon_restart_loses_no_request_and_the_connector_reconnects(stack):
         and engine.metric("vllm:kvgate_offload_dropped_blocks_total") >= 1,
     )
     daemon.start()  # empty: its blocks did not survive
-    time.sleep(1.0)  # past the connector's 0.5 s back-off
+    time.sleep(1.5)  # past the connector's back-off (at most 1 s here)
     engine.complete(prompt)  # computed again, and offloaded to the new daemon
     evict(engine, 300)
     after = engine.complete(prompt)
