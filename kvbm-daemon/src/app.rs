@@ -76,8 +76,9 @@ impl cli_support::ExitStatus for AppError {
             | AppError::Remote(
                 RemoteError::Url(_) | RemoteError::Tls(_) | RemoteError::Credentials(_),
             )
-            | AppError::Remote(RemoteError::Status { .. })
             | AppError::Disk(DiskError::Locked { .. }) => cli_support::EXIT_CONFIG,
+            // A wrong bucket, region, key or permission, or a request the S3 SDK cannot build.
+            AppError::Remote(e) if e.is_config_refusal() => cli_support::EXIT_CONFIG,
             _ => 1,
         }
     }

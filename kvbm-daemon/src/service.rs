@@ -1164,7 +1164,7 @@ mod tests {
             region: "us-east-1".into(),
             addressing: Addressing::Path,
         };
-        let credentials = crate::remote::sigv4::Credentials {
+        let credentials = crate::remote::s3::Credentials {
             access_key_id: "AK".into(),
             secret_access_key: "SK".into(),
             session_token: None,

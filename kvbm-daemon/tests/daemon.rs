@@ -744,6 +744,31 @@ async fn an_s3_bucket_keeps_demoted_blocks_and_serves_them_back() {
     onboard_two_remote_four_host(&mut c, &keys, 3).await;
 }
 
+/// At start a `HEAD` of the bucket checks it: a bucket the store does not have, or a key it
+/// refuses, is a configuration error (exit 2), before NATS is tried.
+#[test]
+fn a_missing_bucket_or_a_refused_key_exits_2_at_start() {
+    let s3 = s3_server(free_port(), "kvgate");
+    let endpoint = format!("http://127.0.0.1:{}", s3.port);
+    for (url, secret, says) in [
+        ("s3://no-such-bucket", s3.secret_key.as_str(), "HTTP 404"),
+        ("s3://kvgate", "not-the-secret", "HTTP 403"),
+    ] {
+        let mut args = kvbm_args(&test_dir(), "nats://127.0.0.1:1", url, free_port(), BLOCK);
+        args.extend(["--s3-endpoint".to_owned(), endpoint.clone()]);
+        let out = Command::new(env!("CARGO_BIN_EXE_kvgate-kvbm"))
+            .args(&args)
+            .env("AWS_ACCESS_KEY_ID", &s3.access_key)
+            .env("AWS_SECRET_ACCESS_KEY", secret)
+            .env_remove("AWS_SESSION_TOKEN")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{url}: {stderr}");
+        assert!(stderr.contains(says), "{url}: {stderr}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pinned_blocks_stay_until_released_or_expired() {
     let s = stack(4 * BLOCK);

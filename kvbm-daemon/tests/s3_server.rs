@@ -1,8 +1,9 @@
 //! The remote tier's S3 client against a real S3 server: moto (`moto[server]` in `.venv`,
 //! installed by `scripts/bootstrap.sh`; `KVGATE_MOTO_SERVER` points elsewhere) with request
 //! authentication on, so every request's SigV4 signature is checked by an independent
-//! implementation; and against a scripted HTTP responder for what moto cannot be made to do
-//! (closing kept-alive connections, never answering, damaged bodies, odd error bodies).
+//! implementation; against a scripted HTTP responder for what moto cannot be made to do
+//! (closing kept-alive connections, never answering, damaged bodies, odd error bodies); and
+//! against a TLS endpoint whose certificate a private CA signed.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -12,6 +13,7 @@
 
 mod support;
 
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -19,8 +21,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kv_events::BlockKey;
 use kvgate_kvbm::remote::RemoteError;
-use kvgate_kvbm::remote::s3::{Addressing, S3, S3Config, S3Options};
-use kvgate_kvbm::remote::sigv4::{Credentials, sha256_hex};
+use kvgate_kvbm::remote::s3::{Addressing, Credentials, S3, S3Config, S3Options, sha256_hex};
 use support::{S3Server, free_port, s3_server};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
@@ -301,4 +302,100 @@ async fn a_server_that_never_answers_times_out() {
     assert!(matches!(e, RemoteError::Timeout(_)), "{e:?}");
     assert!(e.is_transient());
     assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+/// An `https` endpoint whose certificate (for `localhost`) `cert` is, answering every request
+/// with an empty 200.
+async fn tls_endpoint(cert: &rcgen::CertifiedKey<rcgen::KeyPair>) -> u16 {
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into());
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(vec![cert.cert.der().clone()], key)
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut buf = Vec::new();
+                loop {
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        let mut chunk = [0; 4096];
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.clear();
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                    if conn.write_all(ok).await.is_err() || conn.flush().await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test]
+async fn https_endpoints_are_verified_against_the_given_ca() {
+    let dir = std::env::temp_dir().join(format!("kvgate-s3-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let port = tls_endpoint(&cert).await;
+    let (ca, other, junk) = (
+        dir.join("ca.pem"),
+        dir.join("other.pem"),
+        dir.join("junk.pem"),
+    );
+    std::fs::write(&ca, cert.cert.pem()).unwrap();
+    let stranger = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    std::fs::write(&other, stranger.cert.pem()).unwrap();
+    std::fs::write(&junk, b"not a certificate\n").unwrap();
+    let client = |ca_file: &Path| {
+        let options = S3Options {
+            endpoint: Some(format!("https://localhost:{port}")),
+            region: "us-east-1".into(),
+            addressing: Addressing::Auto,
+        };
+        let credentials = Credentials {
+            access_key_id: "AK".into(),
+            secret_access_key: "SK".into(),
+            session_token: None,
+        };
+        let mut config = S3Config::from_url(
+            "s3://kvgate",
+            &options,
+            credentials,
+            Duration::from_secs(5),
+            MIB,
+        )
+        .unwrap();
+        config.ca_file = Some(ca_file.to_path_buf());
+        S3::new(config)
+    };
+    // Trusted through the bundle.
+    let trusted = client(&ca);
+    trusted.prepare_tls().unwrap();
+    trusted.ping().await.unwrap();
+    trusted.put("k", Bytes::from_static(b"v")).await.unwrap();
+    // Another CA: the handshake fails, as a TLS failure the store may recover from.
+    let e = client(&other).ping().await.unwrap_err();
+    assert_eq!(e.metric_label(), "tls", "{e}");
+    assert!(e.is_transient() && !e.is_config_refusal(), "{e}");
+    // A bundle without a certificate fails at start.
+    let e = client(&junk).prepare_tls().unwrap_err();
+    assert_eq!(e.metric_label(), "tls", "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -43,9 +43,21 @@ pub enum RemoteError {
     /// TLS could not be set up (the CA bundle) or the handshake failed.
     #[error("remote TLS: {0}")]
     Tls(String),
-    /// S3: the HTTP exchange failed (connection closed, malformed response).
-    #[error("S3 HTTP: {0}")]
-    Http(String),
+    /// S3: the request got no HTTP status to judge: it could not be built, connecting or the
+    /// TLS handshake failed, the connection closed, or the response could not be read. The
+    /// SDK's error is kept whole; `detail` is it with its causes, for the log.
+    #[error("S3 {op}: {failure}: {detail}")]
+    Exchange {
+        /// The operation (`PUT`, `GET`, `DELETE`, `HEAD`).
+        op: &'static str,
+        /// Where it failed.
+        failure: Failure,
+        /// The error and its causes, as one line.
+        detail: String,
+        /// The SDK's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// S3 answered with an error status.
     #[error("S3 refused {op}: HTTP {status} {code}{detail}")]
     Status {
@@ -86,7 +98,7 @@ impl RemoteError {
             Self::Refused { .. } => "refused",
             Self::Unexpected { .. } => "unexpected",
             Self::Tls(_) => "tls",
-            Self::Http(_) => "http",
+            Self::Exchange { failure, .. } => failure.metric_label(),
             Self::Status { .. } => "status",
             Self::TooLarge { .. } => "too_large",
             Self::Credentials(_) => "credentials",
@@ -101,11 +113,8 @@ impl RemoteError {
     /// block whose read fails so is forgotten rather than kept indexed.
     pub fn is_transient(&self) -> bool {
         match self {
-            Self::Io(_)
-            | Self::Timeout(_)
-            | Self::Http(_)
-            | Self::Tls(_)
-            | Self::Refused { .. } => true,
+            Self::Io(_) | Self::Timeout(_) | Self::Tls(_) | Self::Refused { .. } => true,
+            Self::Exchange { failure, .. } => *failure != Failure::Request,
             Self::Redis { source, .. } => is_connection(source),
             Self::Status { status, code, .. } => {
                 *status >= 500 || *status == 429 || *status == 408 || code == "SlowDown"
@@ -121,7 +130,49 @@ impl RemoteError {
     /// Whether the store refused the daemon's configuration outright (a wrong bucket, region,
     /// key or permission): at start, that is a configuration error.
     pub fn is_config_refusal(&self) -> bool {
-        matches!(self, Self::Status { status, .. } if (300..500).contains(status) && !self.is_transient())
+        match self {
+            Self::Status { status, .. } => (300..500).contains(status) && !self.is_transient(),
+            Self::Exchange { failure, .. } => *failure == Failure::Request,
+            _ => false,
+        }
+    }
+}
+
+/// Where an S3 request that got no HTTP status failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The request could not be built from the configuration (an endpoint or bucket the SDK
+    /// cannot address): it will fail again.
+    Request,
+    /// Connecting failed, or the connection broke.
+    Connect,
+    /// The TLS handshake failed.
+    Tls,
+    /// The HTTP exchange failed: a connection closed mid-response, a response that could not
+    /// be read.
+    Http,
+}
+
+impl Failure {
+    /// The metrics label (`io`, `tls` and `http` as for the other clients' failures).
+    pub fn metric_label(self) -> &'static str {
+        match self {
+            Self::Request => "request",
+            Self::Connect => "io",
+            Self::Tls => "tls",
+            Self::Http => "http",
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Request => "building the request",
+            Self::Connect => "connecting",
+            Self::Tls => "TLS",
+            Self::Http => "HTTP",
+        })
     }
 }
 

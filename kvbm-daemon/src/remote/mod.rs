@@ -1,5 +1,5 @@
 //! The remote tier (G4) at the edge: a Redis client ([`redis`], on the `redis` crate), or an
-//! S3 client ([`s3`]) signing with SigV4 ([`sigv4`]); the names blocks take there, and
+//! S3 client ([`s3`], on the AWS SDK's `aws-sdk-s3`); the names blocks take there, and
 //! [`Remote`], the one the daemon was given.
 //!
 //! The remote store is shared by every node's daemon, so a block's name carries what makes its
@@ -10,7 +10,6 @@
 pub mod error;
 pub mod redis;
 pub mod s3;
-pub mod sigv4;
 pub mod tls;
 
 use bytes::Bytes;

@@ -2,10 +2,10 @@
 //! from, checked at start: a CA bundle (`--remote-ca-file`, PEM) that is read and parsed
 //! before the first command, or the system's roots, which must hold at least one certificate.
 //! The Redis library does its own handshakes from these (rustls on ring, the process default);
-//! the S3 client takes [`client_config`]. TLS 1.2 and 1.3; no client certificate is sent.
+//! so does the S3 SDK's HTTP client (rustls on ring), given the same bundle. TLS 1.2 and 1.3;
+//! no client certificate is sent.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject as _;
@@ -53,36 +53,6 @@ pub fn check_system_roots() -> Result<(), RemoteError> {
 pub fn install_ring() {
     // An error means a provider was installed first; that one stays.
     let _ = rustls::crypto::ring::default_provider().install_default();
-}
-
-/// The S3 client's rustls configuration (ring; TLS 1.2 and 1.3), trusting the CAs of
-/// `ca_file`, or the system's roots when it is `None`.
-pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, RemoteError> {
-    let mut roots = rustls::RootCertStore::empty();
-    match ca_file {
-        Some(path) => {
-            let pem = ca_bundle(path)?;
-            for cert in CertificateDer::pem_slice_iter(&pem) {
-                let cert =
-                    cert.map_err(|e| RemoteError::Tls(format!("{}: {e}", path.display())))?;
-                roots
-                    .add(cert)
-                    .map_err(|e| RemoteError::Tls(format!("{}: {e}", path.display())))?;
-            }
-        }
-        None => {
-            check_system_roots()?;
-            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
-        }
-    }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| RemoteError::Tls(e.to_string()))?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    Ok(Arc::new(config))
 }
 
 #[cfg(test)]
