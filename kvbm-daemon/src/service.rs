@@ -67,6 +67,15 @@ pub enum WriteOp {
     },
 }
 
+impl WriteOp {
+    /// The block's name in the tier.
+    pub fn name(&self) -> &str {
+        match self {
+            WriteOp::Put { name, .. } | WriteOp::Delete { name } => name,
+        }
+    }
+}
+
 /// Why a request was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ServiceError {
@@ -788,28 +797,64 @@ fn write_finished(
     }
 }
 
-/// Drains the remote write queue into the remote store for the life of the service.
+/// Remote writes in flight at once. One at a time, the writer fell behind the demotions of a
+/// busy node: each `SET` of a block waits a round trip, and the `redis` crate's multiplexed
+/// connection (or the S3 client's pool) carries several at once.
+const REMOTE_IN_FLIGHT: usize = 16;
+
+/// Drains the remote write queue into the remote store for the life of the service: up to
+/// [`REMOTE_IN_FLIGHT`] operations at once, never two on the same name (a put and a later
+/// delete of one block stay in order: a batch ends before the second).
 pub async fn remote_writer(
     service: Arc<Service>,
     remote: Arc<Remote>,
     mut rx: mpsc::UnboundedReceiver<WriteOp>,
 ) {
-    while let Some(op) = rx.recv().await {
-        match op {
-            WriteOp::Put { id, name, data } => {
-                let r = remote.put(&name, data).await;
-                service.put_done(Tier::Remote, &name);
-                let error = r.err().map(|e| (e.metric_label(), e.to_string()));
-                write_finished(&service, Tier::Remote, "write", Some((id, name)), error);
+    let mut carry: Option<WriteOp> = None;
+    loop {
+        let first = match carry.take() {
+            Some(op) => op,
+            None => match rx.recv().await {
+                Some(op) => op,
+                None => return,
+            },
+        };
+        let mut names = std::collections::HashSet::new();
+        names.insert(first.name().to_owned());
+        let mut batch = vec![first];
+        while batch.len() < REMOTE_IN_FLIGHT {
+            let Ok(op) = rx.try_recv() else { break };
+            if !names.insert(op.name().to_owned()) {
+                carry = Some(op);
+                break;
             }
-            WriteOp::Delete { name } => {
-                let error = remote
-                    .delete(&name)
-                    .await
-                    .err()
-                    .map(|e| (e.metric_label(), e.to_string()));
-                write_finished(&service, Tier::Remote, "delete", None, error);
-            }
+            batch.push(op);
+        }
+        let mut running = tokio::task::JoinSet::new();
+        for op in batch {
+            let (service, remote) = (Arc::clone(&service), Arc::clone(&remote));
+            running.spawn(async move { remote_write(&service, &remote, op).await });
+        }
+        while running.join_next().await.is_some() {}
+    }
+}
+
+/// One remote write, its outcome recorded.
+async fn remote_write(service: &Service, remote: &Remote, op: WriteOp) {
+    match op {
+        WriteOp::Put { id, name, data } => {
+            let r = remote.put(&name, data).await;
+            service.put_done(Tier::Remote, &name);
+            let error = r.err().map(|e| (e.metric_label(), e.to_string()));
+            write_finished(service, Tier::Remote, "write", Some((id, name)), error);
+        }
+        WriteOp::Delete { name } => {
+            let error = remote
+                .delete(&name)
+                .await
+                .err()
+                .map(|e| (e.metric_label(), e.to_string()));
+            write_finished(service, Tier::Remote, "delete", None, error);
         }
     }
 }
