@@ -734,33 +734,24 @@ fn a_prefix_demoted_to_the_block_managers_disk_is_onboarded_from_it() {
     );
     // Past the speculative entries' 2 s TTL: the daemon's events credit the prefix now.
     std::thread::sleep(Duration::from_millis(2_700));
+    let series = format!(
+        "kvgate_epp_prompt_blocks_hit_by_tier_total{{pool=\"{}\",tier=\"disk\"}}",
+        stack.config().pool
+    );
     let disk_hits = |stack: &Stack| {
         let page = stack.epp_metrics().unwrap();
-        page.lines()
-            .find_map(|l| {
-                l.strip_prefix("kvgate_epp_prompt_blocks_hit_by_tier_total{")?
-                    .split_once("tier=\"disk\"} ")?
-                    .1
-                    .parse::<f64>()
-                    .ok()
-            })
-            .unwrap_or_else(|| panic!("no disk tier hits in {page}"))
+        probe::sample(&page, &series).unwrap_or_else(|| panic!("no {series} in {page}"))
     };
     let before = disk_hits(&stack);
     let again = send(&stack, &chat(&system, "question 1", 4, false), &[]);
     assert!(again.ok(), "{again:?}");
     assert!(again.cached_tokens() >= 512, "{again:?}");
     let served = listed.iter().position(|e| e == again.upstream()).unwrap();
-    let from_disk = stack
-        .engine_metrics(served)
-        .unwrap()
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("kvgate_sim_kvbm_onboarded_blocks_total{tier=\"disk\"} ")?
-                .parse::<f64>()
-                .ok()
-        })
-        .unwrap_or(0.0);
+    let from_disk = probe::sample(
+        &stack.engine_metrics(served).unwrap(),
+        "kvgate_sim_kvbm_onboarded_blocks_total{tier=\"disk\"}",
+    )
+    .unwrap_or(0.0);
     assert!(from_disk >= 24.0, "{from_disk} blocks onboarded from disk");
     let credited = disk_hits(&stack) - before;
     assert!(
@@ -846,14 +837,11 @@ fn a_prefix_evicted_from_a_gpu_is_onboarded_from_the_block_manager_by_any_engine
     );
     let served = listed.iter().position(|e| e == again.upstream()).unwrap();
     let onboarded = |stack: &Stack, i: usize| {
-        let page = stack.engine_metrics(i).unwrap();
-        page.lines()
-            .find_map(|l| {
-                l.strip_prefix("kvgate_sim_kvbm_onboarded_blocks_total{tier=\"host\"} ")?
-                    .parse::<f64>()
-                    .ok()
-            })
-            .unwrap_or(0.0)
+        probe::sample(
+            &stack.engine_metrics(i).unwrap(),
+            "kvgate_sim_kvbm_onboarded_blocks_total{tier=\"host\"}",
+        )
+        .unwrap_or(0.0)
     };
     assert!(
         onboarded(&stack, served) >= 32.0,
@@ -1025,11 +1013,8 @@ fn the_block_manager_runs_in_the_stack_and_its_tiers_reach_the_epp() {
         || residencies(&stack) >= before + 32.0,
     );
     let page = stack.kvbm_metrics().unwrap();
-    let remote_onboards = page.lines().find_map(|l| {
-        l.strip_prefix("kvgate_kvbm_onboarded_blocks_total{tier=\"remote\"} ")?
-            .parse::<f64>()
-            .ok()
-    });
+    let remote_onboards =
+        probe::sample(&page, "kvgate_kvbm_onboarded_blocks_total{tier=\"remote\"}");
     assert_eq!(remote_onboards, Some(16.0), "{page}");
     // Requests still flow through Envoy and the EPP with the block manager's node listed.
     let r = send(&stack, &chat("hello", "q", 4, false), &[]);

@@ -164,6 +164,19 @@ enum Script {
     Silent,
 }
 
+/// Reads from `conn` until `buf` holds a whole request head; false when the connection ended
+/// (or failed) first.
+async fn read_head(conn: &mut (impl tokio::io::AsyncRead + Unpin), buf: &mut Vec<u8>) -> bool {
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        let mut chunk = [0; 4096];
+        match conn.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    true
+}
+
 /// A scripted HTTP/1.1 responder; counts the connections it accepted.
 async fn responder(script: Script) -> (u16, Arc<AtomicUsize>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -178,12 +191,8 @@ async fn responder(script: Script) -> (u16, Arc<AtomicUsize>) {
                 let mut buf = Vec::new();
                 loop {
                     // One request head (these requests have no body).
-                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                        let mut chunk = [0; 4096];
-                        match conn.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
+                    if !read_head(&mut conn, &mut buf).await {
+                        return;
                     }
                     buf.clear();
                     let body = b"kvgate";
@@ -329,12 +338,8 @@ async fn tls_endpoint(cert: &rcgen::CertifiedKey<rcgen::KeyPair>) -> u16 {
                 };
                 let mut buf = Vec::new();
                 loop {
-                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                        let mut chunk = [0; 4096];
-                        match conn.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
+                    if !read_head(&mut conn, &mut buf).await {
+                        return;
                     }
                     buf.clear();
                     let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";

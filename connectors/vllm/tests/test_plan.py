@@ -41,7 +41,7 @@ def test_a_prefix_held_by_the_daemon_is_loaded_into_the_blocks_after_the_gpu_hit
     assert p.hit_sources("r", 4 * BS) == (2 * BS, 2 * BS)
     p.allocated("r", 4 * BS)
     table = [10, 11, 12, 13, 14, 15, 16, 17]
-    loads, saves, unpins = p.step([Scheduled("r", 5 * BS, 10, table)])
+    loads, saves, unpins = p.step([Scheduled("r", 5 * BS, 10, lambda: table)])
     assert loads == [Transfer("r", keys[1:5], [11, 12, 13, 14])]
     # This step computes tokens 20..29: blocks 5 and 6 become full and are offloaded after 4.
     assert saves == [Transfer("r", keys[5:7], [15, 16], keys[4])]
@@ -60,7 +60,7 @@ def test_pins_are_released_two_steps_after_the_load_or_when_the_request_finishes
     assert p.match("r", "m", tokens, None, 0, lookup) == 4 * BS
     assert p.match("r", "m", tokens, None, 0, lookup) == 4 * BS  # asked again: pinned again
     p.allocated("r", 4 * BS)
-    assert p.step([Scheduled("r", 4 * BS, 1, list(range(5)))])[2] == []
+    assert p.step([Scheduled("r", 4 * BS, 1, lambda: list(range(5)))])[2] == []
     assert p.step([])[2] == []
     assert p.step([])[2] == [keys[:4], keys[:4]]
     # A request that finishes before its load step releases its pins then.
@@ -83,7 +83,7 @@ def test_blocks_the_gpu_holds_but_the_daemon_lost_are_offloaded_again():
     # The GPU holds blocks 0..3; the daemon (restarted) only block 0.
     assert p.match("r", "m", tokens, None, 4 * BS, held_lookup(set(keys[:1]))) == 0
     p.allocated("r", 0)
-    loads, saves, _ = p.step([Scheduled("r", 4 * BS, 10, list(range(7)))])
+    loads, saves, _ = p.step([Scheduled("r", 4 * BS, 10, lambda: list(range(7)))])
     assert loads == []
     assert saves == [Transfer("r", keys[1:6], [1, 2, 3, 4, 5], keys[0])]
 
@@ -94,7 +94,7 @@ def test_an_admission_with_fewer_external_tokens_loads_only_those():
     p = Planner(BS)
     p.match("r", "m", tokens, None, 0, held_lookup(set(keys)))
     p.allocated("r", 2 * BS)
-    loads, saves, _ = p.step([Scheduled("r", 2 * BS, 12, list(range(5)))])
+    loads, saves, _ = p.step([Scheduled("r", 2 * BS, 12, lambda: list(range(5)))])
     assert loads == [Transfer("r", keys[:2], [0, 1])]
     assert saves == [Transfer("r", keys[2:5], [2, 3, 4], keys[1])]
 
@@ -151,7 +151,12 @@ def test_every_block_is_loaded_or_offloaded_exactly_as_a_naive_model_says(reques
             schedule.append(left)
         schedule += [1] * decode
         for count in schedule:
-            loads, saves, unpins = p.step([Scheduled(rid, computed, count, table)])
+            reads = []
+            loads, saves, unpins = p.step(
+                [Scheduled(rid, computed, count, lambda: reads.append(1) or table)]
+            )
+            # The block table is read only by a step that loads or offloads.
+            assert len(reads) == (1 if loads or saves else 0)
             loaded += loads
             saved += saves
             pins += unpins

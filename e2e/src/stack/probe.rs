@@ -105,6 +105,18 @@ pub fn metric_sum(page: &str, name: &str) -> Option<f64> {
     found
 }
 
+/// The value of one series, `name{labels}` as the page writes it (labels in its order), in a
+/// Prometheus text page, or `None` when the page has no such series.
+pub fn sample(page: &str, series: &str) -> Option<f64> {
+    page.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(
@@ -135,6 +147,19 @@ mod tests {
         assert_eq!(metric_sum(page, "a"), Some(5.5));
         assert_eq!(metric_sum(page, "ab"), Some(7.0));
         assert_eq!(metric_sum(page, "c"), None);
+    }
+
+    #[test]
+    fn sample_reads_one_series_exactly() {
+        let page = "# TYPE a counter\na{x=\"1\"} 2\na{x=\"12\"} 3.5\nab 7\n";
+        assert_eq!(sample(page, "a{x=\"1\"}"), Some(2.0));
+        assert_eq!(sample(page, "a{x=\"12\"}"), Some(3.5));
+        assert_eq!(
+            sample(page, "a"),
+            None,
+            "a series is named whole, labels included"
+        );
+        assert_eq!(sample(page, "ab"), Some(7.0));
     }
 
     #[test]

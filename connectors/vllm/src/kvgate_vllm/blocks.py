@@ -43,34 +43,32 @@ class BlockCopier:
             raise LayoutMismatch(
                 f"the KV tensors hold {offset} bytes per block, the layout declares {block_bytes}"
             )
-        self.dtype = layers[0].dtype
         self.device = layers[0].device
 
-    def _rows(self, segment: torch.Tensor, n: int) -> torch.Tensor:
+    def _batch(self, segment: torch.Tensor, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots 0..n-1 of ``segment`` as rows of a block each, and the block ids as an index."""
+        n = len(block_ids)
         need = n * self.block_bytes
         if need > segment.numel():
             raise ValueError(f"{n} blocks need {need} bytes; the segment has {segment.numel()}")
-        return segment[:need].view(n, self.block_bytes)
+        rows = segment[:need].view(n, self.block_bytes)
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return rows, idx
 
     def gather(self, block_ids: Sequence[int], segment: torch.Tensor) -> None:
         """Copies the blocks into slots 0..n-1 of ``segment`` (a uint8 tensor)."""
-        n = len(block_ids)
-        if n == 0:
+        if not block_ids:
             return
-        rows = self._rows(segment, n)
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        rows, idx = self._batch(segment, block_ids)
         for t, offset, per in self._layers:
-            data = t.index_select(0, idx).contiguous().view(torch.uint8).view(n, per)
+            data = t.index_select(0, idx).contiguous().view(torch.uint8).view(len(idx), per)
             rows[:, offset : offset + per].copy_(data)
 
     def scatter(self, segment: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Copies slots 0..n-1 of ``segment`` into the blocks."""
-        n = len(block_ids)
-        if n == 0:
+        if not block_ids:
             return
-        rows = self._rows(segment, n)
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        rows, idx = self._batch(segment, block_ids)
         for t, offset, per in self._layers:
             src = rows[:, offset : offset + per].contiguous().view(t.dtype)
-            src = src.view(n, *t.shape[1:]).to(self.device)
-            t.index_copy_(0, idx, src)
+            t.index_copy_(0, idx, src.view(len(idx), *t.shape[1:]).to(self.device))

@@ -42,7 +42,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from .blocks import BlockCopier
-from .client import Client, Reconnecting
+from .client import Reconnecting
 from .counters import COUNTERS, Counts, merge
 from .plan import Planner, Scheduled, Transfer
 from .protocol import Layout
@@ -285,13 +285,24 @@ class KvgateConnector(KVConnectorBase_V1):
         steps: list[Scheduled] = []
         for new in scheduler_output.scheduled_new_reqs:
             steps.append(
-                Scheduled(new.req_id, new.num_computed_tokens, sched.get(new.req_id, 0), new.block_ids[0])
+                Scheduled(
+                    new.req_id,
+                    new.num_computed_tokens,
+                    sched.get(new.req_id, 0),
+                    lambda ids=new.block_ids[0]: ids,
+                )
             )
         cached = scheduler_output.scheduled_cached_reqs
         if manager is not None:
             for i, req_id in enumerate(cached.req_ids):
-                table = manager.get_block_ids(req_id)[0]
-                steps.append(Scheduled(req_id, cached.num_computed_tokens[i], sched.get(req_id, 0), table))
+                steps.append(
+                    Scheduled(
+                        req_id,
+                        cached.num_computed_tokens[i],
+                        sched.get(req_id, 0),
+                        lambda req_id=req_id: manager.get_block_ids(req_id)[0],
+                    )
+                )
         loads, saves, unpins = self._planner.step(steps)
         for keys in unpins:
             self._client.call(lambda c, keys=keys: c.unpin(keys))
@@ -425,4 +436,4 @@ class KvgateConnector(KVConnectorBase_V1):
             self._client = None
 
 
-__all__ = ["Client", "KvgateConnector", "KvgateMetadata", "Settings"]
+__all__ = ["KvgateConnector", "KvgateMetadata", "Settings"]

@@ -46,8 +46,10 @@ class Scheduled:
     num_computed_tokens: int
     #: Tokens this step computes.
     num_scheduled_tokens: int
-    #: The request's GPU block table (its first KV cache group).
-    block_ids: Sequence[int]
+    #: The request's GPU block table (its first KV cache group), read only when the step loads
+    #: or offloads blocks of the request: vLLM copies it for each read, and most decode steps
+    #: need none.
+    table: Callable[[], Sequence[int]]
 
 
 @dataclass
@@ -163,19 +165,23 @@ class Planner:
             if r is None:
                 continue
             keys = r.chain.advance(r.tokens)
+            full = min(s.num_computed_tokens + s.num_scheduled_tokens, len(r.tokens)) // bs
+            full = min(full, len(keys))
+            if r.load is None and full <= r.saved:
+                continue
+            table = s.table()
             if r.load is not None:
                 first, n = r.load
                 r.load = None
-                table = list(s.block_ids[first : first + n])
-                if len(table) == n and len(keys) >= first + n:
-                    loads.append(Transfer(s.req_id, keys[first : first + n], table))
+                ids = list(table[first : first + n])
+                if len(ids) == n and len(keys) >= first + n:
+                    loads.append(Transfer(s.req_id, keys[first : first + n], ids))
                     r.unpin_at = self._step + 2
-            full = min(s.num_computed_tokens + s.num_scheduled_tokens, len(r.tokens)) // bs
-            full = min(full, len(keys), len(s.block_ids))
+            full = min(full, len(table))
             if full > r.saved:
                 parent = keys[r.saved - 1] if r.saved > 0 else None
                 saves.append(
-                    Transfer(s.req_id, keys[r.saved : full], list(s.block_ids[r.saved : full]), parent)
+                    Transfer(s.req_id, keys[r.saved : full], list(table[r.saved : full]), parent)
                 )
                 r.saved = full
                 r.offered = max(r.offered, full)
