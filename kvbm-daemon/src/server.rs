@@ -240,39 +240,7 @@ async fn handle(
         Request::Register { .. } => {
             return (error(ErrorCode::Sequence, "register sent twice"), true);
         }
-        Request::Offload { parent, blocks } => {
-            if let Err(r) = check_slots(s, &blocks) {
-                return (r, false);
-            }
-            // Past its budget, a chain's tail is not read or stored: `skipped`.
-            let allowed = s.budget.as_mut().map_or(blocks.len(), |b| {
-                b.grant(Instant::now(), blocks.len(), s.block_bytes)
-            });
-            let throttled = blocks.len() - allowed;
-            if throttled > 0 {
-                service
-                    .metrics()
-                    .offload_throttled_blocks
-                    .fetch_add(throttled as u64, Ordering::Relaxed);
-            }
-            match offload(
-                s,
-                parent,
-                blocks.get(..allowed).unwrap_or_default(),
-                service,
-            ) {
-                Response::Offloaded {
-                    stored,
-                    present,
-                    skipped,
-                } => Response::Offloaded {
-                    stored,
-                    present,
-                    skipped: skipped.saturating_add(u32::try_from(throttled).unwrap_or(u32::MAX)),
-                },
-                other => other,
-            }
-        }
+        Request::Offload { parent, blocks } => offload(s, parent, &blocks, service),
         Request::Lookup { keys, pin_ms } => {
             let pin = Duration::from_millis(u64::from(pin_ms));
             // Taken before the service pins, so this connection's deadline is never later
@@ -375,9 +343,25 @@ fn check_slots(s: &Session, slots: &[Slot]) -> Result<(), Response> {
     Ok(())
 }
 
-/// Stores the blocks of `slots` (checked against the segment already).
-fn offload(s: &Session, parent: Option<u64>, slots: &[Slot], service: &Service) -> Response {
-    let (mut stored, mut present, mut skipped) = (0u32, 0u32, 0u32);
+/// Stores the blocks of `slots`, as far as the connection's offload budget goes: past it, a
+/// chain's tail is neither read nor stored, and counts as `skipped`.
+fn offload(s: &mut Session, parent: Option<u64>, slots: &[Slot], service: &Service) -> Response {
+    if let Err(r) = check_slots(s, slots) {
+        return r;
+    }
+    let allowed = s.budget.as_mut().map_or(slots.len(), |b| {
+        b.grant(Instant::now(), slots.len(), s.block_bytes)
+    });
+    let throttled = slots.len() - allowed;
+    if throttled > 0 {
+        service
+            .metrics()
+            .offload_throttled_blocks
+            .fetch_add(throttled as u64, Ordering::Relaxed);
+    }
+    let slots = slots.get(..allowed).unwrap_or_default();
+    let (mut stored, mut present) = (0u32, 0u32);
+    let mut skipped = u32::try_from(throttled).unwrap_or(u32::MAX);
     let mut parent = parent.map(BlockKey);
     for chunk in slots.chunks(chunk_len(s.block_bytes)) {
         let read: Result<Vec<(BlockKey, Bytes)>, _> = blocking(|| {
@@ -397,7 +381,7 @@ fn offload(s: &Session, parent: Option<u64>, slots: &[Slot], service: &Service) 
             Ok(done) => {
                 stored += done.stored;
                 present += done.present;
-                skipped += done.skipped;
+                skipped = skipped.saturating_add(done.skipped);
             }
             Err(e) => return service_error(&e),
         }
