@@ -2,9 +2,16 @@
 
 A kvgate block is one engine block across every attention layer: layer after layer (in the KV
 cache group's layer order), each layer's part being that layer's tensor at the block's index,
-as bytes. vLLM's per-layer views put blocks first (``[num_blocks, ...]``), so one block of one
-layer is ``tensor[block_id]``. Copies are batched: one ``index_select``/``index_copy_`` per layer
-for all blocks of a batch, which land in consecutive slots of the segment.
+as bytes. vLLM's per-layer tensors come in two shapes: blocks first (``[num_blocks, ...]``, the
+CPU and FlashInfer backends; one block of one layer is ``tensor[block_id]``) and K/V first
+(``[2, num_blocks, ...]``, FlashAttention on GPUs; the block is ``tensor[0][block_id]`` then
+``tensor[1][block_id]``). Both give the same bytes for a block (its K part, then its V part), so
+blocks move between engines whatever their attention backend. Copies are batched: one
+``index_select``/``index_copy_`` per layer and plane for all blocks of a batch, which land in
+consecutive slots of the segment.
+
+On a GPU, ``pin`` page-locks the segment with CUDA (``cudaHostRegister``), so those copies are
+DMA transfers rather than copies staged through pageable memory.
 """
 
 from __future__ import annotations
@@ -27,17 +34,23 @@ class BlockCopier:
     ) -> None:
         if not layers:
             raise LayoutMismatch("no KV cache layers")
+        # One entry per plane: (blocks-first view, offset in a block, bytes per block).
         self._layers: list[tuple[torch.Tensor, int, int]] = []
         offset = 0
         for i, t in enumerate(layers):
-            if t.dim() < 2 or t.shape[0] < num_blocks:
+            if t.dim() >= 2 and t.shape[0] >= num_blocks:
+                planes = [t]
+            elif t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] >= num_blocks:
+                planes = [t[0], t[1]]
+            else:
                 raise LayoutMismatch(
-                    f"layer {i}: KV tensor of shape {tuple(t.shape)} does not have its "
-                    f"{num_blocks} blocks in the first dimension"
+                    f"layer {i}: KV tensor of shape {tuple(t.shape)} has its {num_blocks} "
+                    "blocks neither in the first dimension nor in the second after K and V"
                 )
-            per = t[0].numel() * t.element_size()
-            self._layers.append((t, offset, per))
-            offset += per
+            for plane in planes:
+                per = plane[0].numel() * plane.element_size()
+                self._layers.append((plane, offset, per))
+                offset += per
         self.block_bytes = offset
         if block_bytes is not None and block_bytes != offset:
             raise LayoutMismatch(
@@ -72,3 +85,17 @@ class BlockCopier:
         for t, offset, per in self._layers:
             src = rows[:, offset : offset + per].contiguous().view(t.dtype)
             t.index_copy_(0, idx, src.view(len(idx), *t.shape[1:]).to(self.device))
+
+
+def pin(staging: torch.Tensor, device: torch.device) -> bool:
+    """Page-locks ``staging`` (the mapped segment) for CUDA when the KV cache is on a CUDA device.
+
+    Returns whether it did: ``False`` for other devices, and when the driver refuses (the copies
+    then still work, through pageable memory). The registration lasts as long as the process;
+    the segment is mapped once per worker and kept across reconnects.
+    """
+    if device.type != "cuda" or staging.numel() == 0:
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(staging.data_ptr(), staging.numel(), 0)
+    code = int(getattr(err, "value", err))
+    return code == 0

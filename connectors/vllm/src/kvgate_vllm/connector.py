@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from .blocks import BlockCopier
+from .blocks import BlockCopier, pin
 from .client import Reconnecting
 from .counters import COUNTERS, Counts, merge
 from .plan import Planner, Scheduled, Transfer
@@ -333,11 +333,19 @@ class KvgateConnector(KVConnectorBase_V1):
         self._client = self._connect(layout, slots * layout.block_bytes)
         self._staging = torch.frombuffer(self._client.segment.map, dtype=torch.uint8)
         self._slots = slots
+        pinned = pin(self._staging, self._copier.device)
+        if self._copier.device.type == "cuda" and not pinned:
+            log.warning(
+                "kvgate connector: CUDA refused to page-lock the %d-byte staging segment; "
+                "copies go through pageable memory",
+                self._staging.numel(),
+            )
         log.info(
-            "kvgate connector (worker): %d layers, %d bytes per block, %d staging slots, socket %s",
+            "kvgate connector (worker): %d layers, %d bytes per block, %d staging slots%s, socket %s",
             layout.layers,
             layout.block_bytes,
             slots,
+            " (page-locked)" if pinned else "",
             self._settings.socket,
         )
 

@@ -4,7 +4,7 @@ real-vLLM tier's environment)."""
 import pytest
 import torch
 
-from kvgate_vllm.blocks import BlockCopier, LayoutMismatch
+from kvgate_vllm.blocks import BlockCopier, LayoutMismatch, pin
 
 NUM_BLOCKS = 6
 
@@ -50,8 +50,35 @@ def test_tensors_that_disagree_with_the_layout_are_refused():
         BlockCopier([a, b], NUM_BLOCKS, block_bytes=64)
     with pytest.raises(LayoutMismatch, match="first dimension"):
         BlockCopier([a], NUM_BLOCKS + 1)
+    with pytest.raises(LayoutMismatch, match="after K and V"):
+        BlockCopier([torch.zeros(3, NUM_BLOCKS, 4)], NUM_BLOCKS)
     with pytest.raises(LayoutMismatch, match="no KV"):
         BlockCopier([], NUM_BLOCKS)
     copier = BlockCopier([a], NUM_BLOCKS)
     with pytest.raises(ValueError, match="segment has"):
         copier.gather([0, 1], torch.zeros(copier.block_bytes, dtype=torch.uint8))
+
+
+def test_k_and_v_first_tensors_give_the_same_block_bytes_as_blocks_first_ones():
+    torch.manual_seed(1)
+    # FlashAttention's [2, num_blocks, block_size, heads, head_size] against a blocks-first
+    # [num_blocks, 2, ...] tensor holding the same values.
+    kv_first = torch.randn(2, NUM_BLOCKS, 4, 2, 8, dtype=torch.float16)
+    blocks_first = kv_first.transpose(0, 1).contiguous()
+    a = BlockCopier([kv_first], NUM_BLOCKS)
+    b = BlockCopier([blocks_first], NUM_BLOCKS)
+    assert a.block_bytes == b.block_bytes == 2 * 4 * 2 * 8 * 2
+    seg_a = torch.zeros(3 * a.block_bytes, dtype=torch.uint8)
+    seg_b = torch.zeros_like(seg_a)
+    a.gather([5, 0, 2], seg_a)
+    b.gather([5, 0, 2], seg_b)
+    assert torch.equal(seg_a, seg_b)
+    # And back: block 5's bytes scattered into block 1 of a K/V-first cache.
+    before = kv_first.clone()
+    a.scatter(seg_a, [1])
+    assert torch.equal(kv_first[:, 1], before[:, 5])
+    assert torch.equal(kv_first[:, 0], before[:, 0])
+
+
+def test_pinning_is_only_for_cuda_caches():
+    assert not pin(torch.zeros(64, dtype=torch.uint8), torch.device("cpu"))
