@@ -233,6 +233,11 @@ fn event_stream_accounts_for_every_block() {
     assert!(stored > 40);
     let copies: u32 = resident.values().sum();
     assert_eq!(f64::from(copies), sim.metric("kvgate_sim_cached_blocks"));
+    assert_eq!(
+        resident.len() as f64,
+        sim.metric("kvgate_sim_distinct_cached_blocks"),
+        "the distinct blocks the events leave resident"
+    );
     // The router's view: keys of each prompt's full blocks were all published (some later evicted).
     for ids in &prompt_ids {
         let ids: Vec<u32> = ids

@@ -965,6 +965,21 @@ impl KvIndex {
         std::hint::black_box(&*sink);
     }
 
+    /// The blocks `source` holds in any tier, speculative ones included: what an operator
+    /// compares with the engine's own count to see whether the index went stale. One read
+    /// lock per shard, O(shards).
+    pub fn residencies_of(&self, source: Holder) -> usize {
+        let holder = source.pack();
+        self.shards
+            .iter()
+            .map(|lock| {
+                lock.read()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .residencies_of(holder)
+            })
+            .sum()
+    }
+
     /// Counts of blocks, residencies and evictions, and the tables' size.
     pub fn stats(&self) -> IndexStats {
         let mut st = IndexStats::default();

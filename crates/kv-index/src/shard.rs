@@ -268,6 +268,15 @@ impl Shard {
         self.core.residencies
     }
 
+    /// `holder`'s residencies in this shard (its key list's live entries).
+    pub(crate) fn residencies_of(&self, holder: u32) -> usize {
+        self.core
+            .list_of
+            .get(&holder)
+            .and_then(|&li| self.core.lists.get(li))
+            .map_or(0, SourceKeys::live)
+    }
+
     pub(crate) fn blocks(&self) -> usize {
         self.core.table.len()
     }

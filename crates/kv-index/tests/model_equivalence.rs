@@ -206,6 +206,12 @@ fn run(actions: Vec<Action>, shards: usize) -> Result<(), TestCaseError> {
         check_all(&idx, &model, &all)?;
         check_all(&idx, &model, &some)?;
         prop_assert_eq!(idx.stats().residencies, model.residencies());
+        let holders = (0..ENDPOINTS)
+            .map(|e| Holder::Endpoint(ep(e)))
+            .chain((0..NODES).map(|n| Holder::Node(NodeId::new(n).unwrap())));
+        for h in holders {
+            prop_assert_eq!(idx.residencies_of(h), model.residencies_of(h), "{:?}", h);
+        }
     }
     Ok(())
 }

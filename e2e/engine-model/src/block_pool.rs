@@ -131,6 +131,11 @@ impl BlockPool {
         self.num_cached
     }
 
+    /// Distinct hashes held by cached blocks (what the engine's KV events leave in an index).
+    pub(crate) fn num_cached_distinct(&self) -> usize {
+        self.cached.len()
+    }
+
     /// Whether prefix caching is on.
     pub(crate) fn caching(&self) -> bool {
         self.caching

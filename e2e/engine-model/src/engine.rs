@@ -247,6 +247,7 @@ impl Engine {
             preempted_prefix_cache_hits: self.counters.preempted_hits,
             num_preemptions: self.counters.num_preemptions,
             cached_blocks: to_u32(self.pool.num_cached()),
+            distinct_cached_blocks: to_u32(self.pool.num_cached_distinct()),
             free_blocks: to_u32(self.pool.num_free()),
             used_blocks: to_u32(used),
             total_blocks: to_u32(total),

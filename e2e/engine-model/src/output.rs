@@ -104,6 +104,8 @@ pub struct EngineStats {
     pub num_preemptions: u64,
     /// Blocks holding a cached hash, in use or free (duplicates counted).
     pub cached_blocks: u32,
+    /// Distinct hashes among them: the blocks the engine's KV events say it holds.
+    pub distinct_cached_blocks: u32,
     /// Free blocks, cached or not.
     pub free_blocks: u32,
     /// Blocks held by requests.

@@ -283,6 +283,12 @@ impl SimMetrics {
         );
         gauge_own(
             &mut out,
+            "kvgate_sim_distinct_cached_blocks",
+            "Distinct hashes among the cached blocks: what the KV events leave in a router's index.",
+            u64::from(s.distinct_cached_blocks),
+        );
+        gauge_own(
+            &mut out,
             "kvgate_sim_host_blocks",
             "Blocks in the KV offloading host tier (0 when --kv-offloading-size is 0).",
             u64::from(s.host_blocks),

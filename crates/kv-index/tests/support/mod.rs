@@ -152,6 +152,14 @@ impl Model {
         out
     }
 
+    /// `h`'s residencies (blocks it holds in any tier, speculative ones included).
+    pub fn residencies_of(&self, h: Holder) -> usize {
+        self.held
+            .values()
+            .filter(|s| s.iter().any(|&(x, _)| x == h))
+            .count()
+    }
+
     pub fn residencies(&self) -> usize {
         self.held
             .values()
