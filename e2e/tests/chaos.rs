@@ -6,7 +6,9 @@
 //! Asserted per crash: no failed request, except those in flight on a crashed sidecar (its
 //! streams die with it); the supervisor has the component back within 10 s; and within a few
 //! seconds of that the prefix hit rate is back within 2 points of the baseline (at least one
-//! window per crash). The figures are printed (`--no-capture`) for docs/benchmarks.md.
+//! window per crash). Once the load stops, the EPP's index holds for every engine exactly the
+//! distinct blocks the engine caches: nothing stale, nothing missing. The figures are printed
+//! (`--no-capture`) for docs/benchmarks.md.
 //!
 //! Longer version: `CHAOS_WINDOW_S=20 cargo test -p kvgate-e2e --test chaos -- --nocapture`.
 
@@ -23,7 +25,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use kvgate_e2e::stack::{Component, KvbmConfig, Stack, StackConfig};
+use kvgate_e2e::stack::{Component, KvbmConfig, Stack, StackConfig, probe};
 use support::gateway::{Reply, post};
 
 /// One request's outcome.
@@ -233,6 +235,64 @@ fn crashing_each_component_under_load_loses_only_what_it_held() {
             ));
         }
     }
+    problems.extend(stale_index(&stack));
     stack.stop();
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Once the load has stopped, the EPP's index must hold for each engine exactly the distinct
+/// blocks the engine says it caches (its KV events' net effect): after every crash and
+/// restart above, nothing stale is left in it and nothing is missing. Polled for a while, as
+/// the last events and speculative entries (which expire) settle.
+fn stale_index(stack: &Stack) -> Vec<String> {
+    let ports = stack.ports();
+    let engines = stack.endpoints().len();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let report = probe::http_get(ports.epp_metrics, "/debug/index", Duration::from_secs(2))
+            .ok()
+            .and_then(|(status, body)| (status == 200).then_some(body))
+            .and_then(|body| serde_json::from_str::<serde_json::Value>(&body).ok());
+        let mut mismatches = Vec::new();
+        let mut matched = Vec::new();
+        for i in 0..engines {
+            let pod = Component::pod_name(i);
+            let indexed = report.as_ref().and_then(|r| {
+                r["endpoints"]
+                    .as_array()?
+                    .iter()
+                    .find(|e| e["pod"] == pod.as_str())?["blocks"]
+                    .as_u64()
+            });
+            let page = ports
+                .engine_http(i)
+                .and_then(|p| probe::http_get(p, "/metrics", Duration::from_secs(2)).ok())
+                .map(|(_, body)| body)
+                .unwrap_or_default();
+            let cached = probe::metric_sum(&page, "kvgate_sim_distinct_cached_blocks");
+            let host = probe::metric_sum(&page, "kvgate_sim_host_blocks");
+            assert_eq!(
+                host,
+                Some(0.0),
+                "{pod}: the check assumes no engine-side host tier"
+            );
+            match (indexed, cached) {
+                (Some(n), Some(c)) if n as f64 == c => matched.push(format!("{pod} {n}")),
+                _ => mismatches.push(format!(
+                    "{pod}: the EPP's index holds {indexed:?} blocks, the engine caches {cached:?}"
+                )),
+            }
+        }
+        if mismatches.is_empty() {
+            eprintln!(
+                "index: every engine's blocks match the EPP's index ({})",
+                matched.join(", ")
+            );
+            return Vec::new();
+        }
+        if Instant::now() > deadline {
+            return mismatches;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }

@@ -491,28 +491,88 @@ fn pool_load(
     );
 }
 
-/// Serves `/metrics` on `addr` until `shutdown`.
+/// One endpoint's line in `/debug/index`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct IndexedEndpoint {
+    /// The pod name.
+    pub pod: String,
+    /// The target port.
+    pub port: u16,
+    /// Whether it is ready.
+    pub ready: bool,
+    /// Blocks the index holds for it in any of its own tiers (speculative ones included).
+    pub blocks: usize,
+}
+
+/// `GET /debug/index`: the index's size and each endpoint's blocks in it, to compare with what
+/// the engines report they hold (a stale index holds blocks an engine has dropped). Bounded by
+/// the pool's size; each call takes one read lock per index shard.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct IndexReport {
+    /// Distinct blocks.
+    pub blocks: usize,
+    /// (block, holder) residencies.
+    pub residencies: usize,
+    /// The discovered endpoints, by pod name.
+    pub endpoints: Vec<IndexedEndpoint>,
+}
+
+/// Builds the `/debug/index` report.
+pub fn index_report(s: &Sources) -> IndexReport {
+    let stats = s.index.stats();
+    let mut endpoints: Vec<IndexedEndpoint> = s
+        .datastore
+        .snapshot()
+        .iter()
+        .filter_map(|e| {
+            let (pod, port) = s.datastore.key_of(e.id)?;
+            Some(IndexedEndpoint {
+                pod,
+                port,
+                ready: e.ready,
+                blocks: s.index.residencies_of(kv_index::Holder::Endpoint(e.id)),
+            })
+        })
+        .collect();
+    endpoints.sort_by(|a, b| (&a.pod, a.port).cmp(&(&b.pod, b.port)));
+    IndexReport {
+        blocks: stats.blocks,
+        residencies: stats.residencies,
+        endpoints,
+    }
+}
+
+/// Serves `/metrics` and `/debug/index` on `addr` until `shutdown`.
 pub async fn serve(
     addr: std::net::SocketAddr,
     sources: Sources,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     use axum::routing::get as route_get;
-    let app = axum::Router::new().route(
-        "/metrics",
-        route_get(move || {
-            let s = sources.clone();
-            async move {
-                (
-                    [(
-                        axum::http::header::CONTENT_TYPE,
-                        "text/plain; version=0.0.4",
-                    )],
-                    render(&s),
-                )
-            }
-        }),
-    );
+    let debug = sources.clone();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            route_get(move || {
+                let s = sources.clone();
+                async move {
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4",
+                        )],
+                        render(&s),
+                    )
+                }
+            }),
+        )
+        .route(
+            "/debug/index",
+            route_get(move || {
+                let s = debug.clone();
+                async move { axum::Json(index_report(&s)) }
+            }),
+        );
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(%addr, "serving /metrics");
     axum::serve(listener, app)
@@ -523,6 +583,49 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_index_report_counts_each_endpoints_blocks() {
+        let index = Arc::new(KvIndex::new(kv_index::IndexConfig::default()).unwrap());
+        let datastore = Arc::new(Datastore::new());
+        let key = |pod: &str| (pod.to_owned(), 8000u16);
+        let (a, b) = (
+            datastore.id_for(&key("sim-1")),
+            datastore.id_for(&key("sim-0")),
+        );
+        let addr = "127.0.0.1:8000".parse().unwrap();
+        datastore.replace(vec![
+            (key("sim-1"), scheduler::Endpoint::new(a, addr)),
+            (key("sim-0"), scheduler::Endpoint::new(b, addr)),
+        ]);
+        let keys: Vec<kv_events::BlockKey> = (1..=3).map(kv_events::BlockKey).collect();
+        index.speculate(a, &keys, kv_index::Millis(0), kv_index::Millis(60_000));
+        let s = Sources {
+            pool: "p".into(),
+            picker: Arc::default(),
+            ingest: None,
+            scrape: None,
+            nats: None,
+            index,
+            datastore,
+            router: None,
+            kube: None,
+            handoffs: None,
+        };
+        let r = index_report(&s);
+        assert_eq!((r.blocks, r.residencies), (3, 3));
+        let got: Vec<(&str, usize)> = r
+            .endpoints
+            .iter()
+            .map(|e| (e.pod.as_str(), e.blocks))
+            .collect();
+        assert_eq!(got, vec![("sim-0", 0), ("sim-1", 3)]);
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(
+            json.contains(r#""pod":"sim-1","port":8000,"ready":true,"blocks":3"#),
+            "{json}"
+        );
+    }
 
     #[test]
     fn renders_gie_and_own_names() {
