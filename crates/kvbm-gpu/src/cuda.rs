@@ -6,6 +6,11 @@
 //! `cuMemHostAlloc`), device buffers, and [`CudaMover`], which issues a plan's copies as
 //! `cuMemcpy2DAsync` on one stream with an event after each layer.
 //!
+//! Copies are asynchronous, so a [`PinnedBuffer`] carries a last-use event recorded after
+//! every copy enqueued on it; reading, writing and freeing it wait for that event. Safe code
+//! (a mover dropped early or forgotten included) therefore never touches bytes a DMA engine is
+//! still moving.
+//!
 //! This module and [`crate::gds`] are the only places in the crate with `unsafe`: raw driver
 //! calls on pointers the types here own and bound-check.
 #![allow(unsafe_code)]
@@ -51,7 +56,7 @@ pub enum CudaError {
         #[source]
         source: DriverError,
     },
-    /// A copy outside the buffers the mover was given (refused before reaching the driver).
+    /// A copy outside the buffers it was given (refused before reaching the driver).
     #[error(transparent)]
     OutOfBounds(#[from] OutOfBounds),
 }
@@ -83,13 +88,19 @@ impl Cuda {
         self.ctx.name().map_err(driver("cuDeviceGetName"))
     }
 
+    /// Binds the device's context to the calling thread (raw driver calls need it).
+    pub(crate) fn bind(&self) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))
+    }
+
     /// A new stream on the device.
     pub fn stream(&self) -> Result<Arc<CudaStream>, CudaError> {
         self.ctx.new_stream().map_err(driver("cuStreamCreate"))
     }
 
-    /// `bytes` of zeroed device memory.
+    /// `bytes` of zeroed device memory, ready for use on any stream.
     pub fn alloc(&self, stream: &Arc<CudaStream>, bytes: usize) -> Result<DeviceBuffer, CudaError> {
+        let last_use = self.ctx.new_event(None).map_err(driver("cuEventCreate"))?;
         let slice = stream
             .alloc_zeros::<u8>(bytes)
             .map_err(driver("cuMemAlloc"))?;
@@ -97,9 +108,16 @@ impl Cuda {
             let (address, _sync) = slice.device_ptr(stream);
             address
         };
+        // The allocation and its zeroing are ordered on `stream` only: wait for them, so any
+        // stream (a mover's, cuFile) may use the memory.
+        stream
+            .synchronize()
+            .map_err(driver("cuStreamSynchronize"))?;
         Ok(DeviceBuffer {
             address,
             len: bytes,
+            stream: stream.clone(),
+            last_use,
             _slice: slice,
         })
     }
@@ -107,9 +125,9 @@ impl Cuda {
     /// `bytes` of page-locked host memory, zeroed, mapped for every context
     /// (`CU_MEMHOSTALLOC_PORTABLE`): the pool the GPU's DMA engines copy to and from directly.
     pub fn pinned(&self, bytes: usize) -> Result<PinnedBuffer, CudaError> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        // The event first: nothing to free if it fails.
+        let last_use = self.ctx.new_event(None).map_err(driver("cuEventCreate"))?;
+        self.bind()?;
         let len = bytes.max(1);
         // SAFETY: a plain allocation; the pointer is owned by the returned buffer and freed once
         // in its Drop.
@@ -120,12 +138,14 @@ impl Cuda {
             what: "cuMemHostAlloc",
             source: DriverError(sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY),
         })?;
-        // SAFETY: `ptr` points to `len` bytes we own; zeroing makes every byte initialised.
+        // SAFETY: `ptr` points to `len` bytes we own and nothing else uses yet; zeroing makes
+        // every byte initialised.
         unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
         Ok(PinnedBuffer {
             ctx: self.ctx.clone(),
             ptr,
             len: bytes,
+            last_use,
         })
     }
 
@@ -133,12 +153,12 @@ impl Cuda {
     pub fn timing_event(&self, stream: &CudaStream) -> Result<CudaEvent, CudaError> {
         stream
             .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(driver("cuEventRecord"))
+            .map_err(driver("cuEventCreate/cuEventRecord"))
     }
 
     /// One `cuMemcpyHtoDAsync`/`cuMemcpyDtoHAsync` of `bytes` between the start of `host` and
-    /// the start of `device`: the benchmark's baseline for what the copy engine does with one
-    /// large contiguous copy.
+    /// the start of `device`, on `stream`: the benchmark's baseline for what the copy engine
+    /// does with one large contiguous copy.
     pub fn copy_whole(
         &self,
         stream: &CudaStream,
@@ -157,11 +177,13 @@ impl Cuda {
             }
             .into());
         }
-        self.ctx
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
-        // SAFETY: both ranges were checked against buffers we own, which outlive the copy (the
-        // caller synchronises the stream before dropping them: the benchmark waits on an event).
+        self.bind()?;
+        // SAFETY: both ranges were checked against the buffers. The host buffer is not read,
+        // written or freed before this copy completes: its last-use event is recorded right
+        // after it, and every access and its Drop wait for that event. The device buffer was
+        // allocated and synchronised before; the caller keeps it alive until its copies are
+        // done (`&DeviceBuffer` here; the benchmark synchronises the stream before dropping
+        // it).
         let r = unsafe {
             match direction {
                 Direction::ToDevice => sys::cuMemcpyHtoDAsync_v2(
@@ -178,15 +200,21 @@ impl Cuda {
                 ),
             }
         };
-        r.result().map_err(driver("cuMemcpyAsync"))
+        r.result().map_err(driver("cuMemcpyAsync"))?;
+        device.used_on(stream)?;
+        host.used_on(stream)
     }
 }
 
-/// Device memory the benchmark allocates (an engine's KV cache stands in for it in production).
+/// Device memory the benchmark allocates (an engine's KV cache stands in for it in
+/// production). Like [`PinnedBuffer`] it carries a last-use event, recorded after each copy,
+/// and is freed only once those copies are done.
 #[derive(Debug)]
 pub struct DeviceBuffer {
     address: u64,
     len: usize,
+    stream: Arc<CudaStream>,
+    last_use: CudaEvent,
     _slice: CudaSlice<u8>,
 }
 
@@ -205,29 +233,75 @@ impl DeviceBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// The stream it was allocated on (its free is ordered there).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Records that work now enqueued on `stream` uses the buffer.
+    fn used_on(&self, stream: &CudaStream) -> Result<(), CudaError> {
+        self.last_use
+            .record(stream)
+            .map_err(driver("cuEventRecord"))
+    }
+
+    /// Waits until no copy enqueued on it through this crate is still running.
+    pub(crate) fn settle(&self) {
+        if let Err(e) = self.last_use.synchronize() {
+            tracing::warn!(error = %e, "waiting for the device buffer's copies failed");
+        }
+    }
 }
 
-/// Page-locked host memory from `cuMemHostAlloc`, freed on drop.
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // The allocation is freed after this (its field's drop, ordered on its own stream);
+        // copies issued on other streams must be done first.
+        self.settle();
+    }
+}
+
+/// Page-locked host memory from `cuMemHostAlloc`, freed on drop, with its last-use event.
 #[derive(Debug)]
 pub struct PinnedBuffer {
     ctx: Arc<CudaContext>,
     ptr: NonNull<u8>,
     len: usize,
+    last_use: CudaEvent,
 }
 
-// SAFETY: the buffer owns its allocation; access goes through &/&mut like a Vec<u8>.
+// SAFETY: the buffer owns its allocation; access goes through &/&mut like a Vec<u8>, and the
+// event and context it holds are Send.
 unsafe impl Send for PinnedBuffer {}
 
 impl PinnedBuffer {
-    /// The bytes.
+    /// Records that work now enqueued on `stream` uses the buffer.
+    fn used_on(&mut self, stream: &CudaStream) -> Result<(), CudaError> {
+        self.last_use
+            .record(stream)
+            .map_err(driver("cuEventRecord"))
+    }
+
+    /// Waits until no enqueued copy uses the buffer. A failure means the context is broken
+    /// and its copies stopped with it; it is logged.
+    fn settle(&self) {
+        if let Err(e) = self.last_use.synchronize() {
+            tracing::warn!(error = %e, "waiting for the pinned buffer's copies failed");
+        }
+    }
+
+    /// The bytes, once the copies that use them have completed.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` points to `len` initialised bytes we own; `&self` excludes writers, and
-        // no copy is in flight (a `CudaMover` borrowing it mutably waits for its stream on drop).
+        self.settle();
+        // SAFETY: `ptr` points to `len` initialised bytes we own. No copy is in flight: settled
+        // above, and enqueueing a new one needs `&mut self`, which `&self` excludes.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
-    /// The bytes, mutably.
+    /// The bytes, mutably, once the copies that use them have completed.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.settle();
         // SAFETY: as above, with `&mut self` excluding every other access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
@@ -245,61 +319,62 @@ impl PinnedBuffer {
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
+        self.settle();
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: `ptr` came from `cuMemHostAlloc` and is freed exactly once, here.
+        // SAFETY: `ptr` came from `cuMemHostAlloc`, no copy uses it any more (settled above),
+        // and it is freed exactly once, here.
         if let Err(e) = unsafe { cudarc::driver::result::free_host(self.ptr.as_ptr().cast()) } {
             tracing::warn!(error = %e, "cuMemFreeHost failed");
         }
     }
 }
 
-/// Issues copies between a device range and a pinned buffer on one stream. It borrows the
-/// buffer mutably and synchronises the stream when dropped, so no copy is in flight once the
-/// buffer can be read again.
+/// Issues copies between a device buffer and a pinned buffer on one stream, borrowing both for
+/// its life. Dropping it does not wait: the pinned buffer's own event does.
 #[derive(Debug)]
 pub struct CudaMover<'a> {
     cuda: Cuda,
     stream: Arc<CudaStream>,
     host: &'a mut PinnedBuffer,
-    device_base: u64,
-    device_len: u64,
+    device: &'a DeviceBuffer,
 }
 
 impl<'a> CudaMover<'a> {
-    /// A mover between `host` and `device`.
+    /// A mover between `host` and `device`, issuing on `stream`.
     pub fn new(
         cuda: &Cuda,
         stream: Arc<CudaStream>,
         host: &'a mut PinnedBuffer,
-        device: &DeviceBuffer,
+        device: &'a DeviceBuffer,
     ) -> Self {
         Self {
             cuda: cuda.clone(),
             stream,
             host,
-            device_base: device.address,
-            device_len: device.len as u64,
+            device,
         }
     }
 
     fn check(&self, c: &Copy2d) -> Result<(), OutOfBounds> {
-        let dev_ok = c.device >= self.device_base
-            && c.device_end() <= self.device_base.saturating_add(self.device_len);
+        let base = self.device.address;
+        let limit = base.checked_add(self.device.len as u64);
+        let dev_ok = c.device >= base
+            && matches!((c.device_end(), limit), (Some(end), Some(limit)) if end <= limit);
         if !dev_ok {
             return Err(OutOfBounds {
                 layer: c.layer,
                 side: "device",
                 start: c.device,
-                end: c.device_end(),
-                len: self.device_len as usize,
+                end: c.device_end().unwrap_or(u64::MAX),
+                len: self.device.len,
             });
         }
-        if c.host_end() > self.host.len as u64 {
+        if c.host_end().is_none_or(|end| end > self.host.len as u64) {
             return Err(OutOfBounds {
                 layer: c.layer,
                 side: "host",
                 start: c.host,
-                end: c.host_end(),
+                end: c.host_end().unwrap_or(u64::MAX),
                 len: self.host.len,
             });
         }
@@ -360,34 +435,27 @@ impl Mover for CudaMover<'_> {
             WidthInBytes: c.width as usize,
             Height: c.height as usize,
         };
-        self.cuda
-            .ctx
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
-        // SAFETY: the host rows lie inside the pinned buffer this mover borrows mutably until it
-        // is dropped (which synchronises the stream), and the device rows inside the device
-        // range it was given; `desc` lives until the call returns (the driver copies it).
+        self.cuda.bind()?;
+        // SAFETY: the host rows lie inside the pinned buffer (checked above, without overflow),
+        // which is not touched or freed before this copy completes: its last-use event is
+        // recorded right after it, and every access and its Drop wait for that event. The
+        // device rows lie inside the device buffer this mover borrows, allocated and
+        // synchronised before. `desc` lives until the call returns (the driver copies it).
         unsafe { sys::cuMemcpy2DAsync_v2(&desc, self.stream.cu_stream()) }
             .result()
-            .map_err(driver("cuMemcpy2DAsync"))
+            .map_err(driver("cuMemcpy2DAsync"))?;
+        self.device.used_on(&self.stream)?;
+        self.host.used_on(&self.stream)
     }
 
     fn record(&mut self) -> Result<CudaEvent, CudaError> {
         self.stream
             .record_event(None)
-            .map_err(driver("cuEventRecord"))
+            .map_err(driver("cuEventCreate/cuEventRecord"))
     }
 
     fn wait(&mut self, event: &CudaEvent) -> Result<(), CudaError> {
         event.synchronize().map_err(driver("cuEventSynchronize"))
-    }
-}
-
-impl Drop for CudaMover<'_> {
-    fn drop(&mut self) {
-        if let Err(e) = self.stream.synchronize() {
-            tracing::warn!(error = %e, "synchronising the copy stream failed");
-        }
     }
 }
 

@@ -113,35 +113,49 @@ impl Mover for HostMover<'_> {
     type Error = OutOfBounds;
 
     fn copy(&mut self, direction: Direction, c: &Copy2d) -> Result<(), OutOfBounds> {
-        let dev_start = c.device.checked_sub(self.base).ok_or(OutOfBounds {
+        let err = |side, start, end: Option<u64>, len| OutOfBounds {
             layer: c.layer,
-            side: "device",
-            start: c.device,
-            end: c.device_end(),
-            len: self.device.len(),
-        })?;
-        // Check the whole extent once; the per-row slices below are then in bounds.
-        Self::range(
-            c,
-            "device",
-            dev_start,
-            dev_start + (c.device_end() - c.device),
-            self.device.len(),
-        )?;
-        Self::range(c, "host", c.host, c.host_end(), self.host.len())?;
+            side,
+            start,
+            end: end.unwrap_or(u64::MAX),
+            len,
+        };
+        // Check the whole extent once, without overflow; every row below is then in bounds.
+        let dev_start = c
+            .device
+            .checked_sub(self.base)
+            .ok_or_else(|| err("device", c.device, c.device_end(), self.device.len()))?;
+        let relative = Copy2d {
+            device: dev_start,
+            ..*c
+        };
+        let dev_end = relative
+            .device_end()
+            .ok_or_else(|| err("device", c.device, None, self.device.len()))?;
+        let host_end = c
+            .host_end()
+            .ok_or_else(|| err("host", c.host, None, self.host.len()))?;
+        Self::range(c, "device", dev_start, dev_end, self.device.len())?;
+        Self::range(c, "host", c.host, host_end, self.host.len())?;
         let width = c.width as usize;
         for row in 0..u64::from(c.height) {
             let d = (dev_start + row * c.device_pitch) as usize;
             let h = (c.host + row * c.host_pitch) as usize;
-            let (dev, host) = (
+            let (Some(dev), Some(host)) = (
                 self.device.get_mut(d..d + width),
                 self.host.get_mut(h..h + width),
-            );
-            if let (Some(dev), Some(host)) = (dev, host) {
-                match direction {
-                    Direction::ToHost => host.copy_from_slice(dev),
-                    Direction::ToDevice => dev.copy_from_slice(host),
-                }
+            ) else {
+                // Unreachable after the extent checks: refused rather than skipped.
+                return Err(err(
+                    "device or host",
+                    c.device,
+                    c.device_end(),
+                    self.device.len(),
+                ));
+            };
+            match direction {
+                Direction::ToHost => host.copy_from_slice(dev),
+                Direction::ToDevice => dev.copy_from_slice(host),
             }
         }
         self.copies += 1;
@@ -337,6 +351,16 @@ mod tests {
             ..c
         };
         assert!(m.copy(Direction::ToHost, &below).is_err());
+        // A pitch that wraps the extent around the address space.
+        let wrapping = Copy2d {
+            host_pitch: 1 << 63,
+            height: 3,
+            ..c
+        };
+        assert_eq!(
+            m.copy(Direction::ToHost, &wrapping).map_err(|e| e.side),
+            Err("host")
+        );
         assert_eq!(dev, vec![0u8; 16]);
         assert_eq!(host, vec![7u8; 16]);
     }

@@ -48,20 +48,28 @@ pub struct Copy2d {
 }
 
 impl Copy2d {
-    /// Bytes moved.
+    /// Bytes moved (saturating: a copy that large is refused by the movers' bounds checks).
     pub fn bytes(&self) -> u64 {
-        self.width * u64::from(self.height)
+        self.width.saturating_mul(u64::from(self.height))
     }
 
-    /// One past the last host byte the copy touches.
-    pub fn host_end(&self) -> u64 {
-        self.host + u64::from(self.height.saturating_sub(1)) * self.host_pitch + self.width
+    /// One past the last host byte the copy touches; `None` when that overflows a `u64` (a
+    /// copy no mover can do).
+    pub fn host_end(&self) -> Option<u64> {
+        end(self.host, self.host_pitch, self.width, self.height)
     }
 
-    /// One past the last device byte the copy touches.
-    pub fn device_end(&self) -> u64 {
-        self.device + u64::from(self.height.saturating_sub(1)) * self.device_pitch + self.width
+    /// One past the last device byte the copy touches; `None` when that overflows a `u64`.
+    pub fn device_end(&self) -> Option<u64> {
+        end(self.device, self.device_pitch, self.width, self.height)
     }
+}
+
+fn end(start: u64, pitch: u64, width: u64, height: u32) -> Option<u64> {
+    pitch
+        .checked_mul(u64::from(height.saturating_sub(1)))?
+        .checked_add(width)?
+        .checked_add(start)
 }
 
 /// Why a batch cannot be planned.
@@ -89,6 +97,14 @@ pub enum PlanError {
     /// A host slot listed twice.
     #[error("host slot {0} is listed twice in one batch")]
     DuplicateSlot(u32),
+    /// The host buffer's slots do not fit in a 64-bit offset.
+    #[error("{slots} host slots of {block_bytes} bytes do not fit in a 64-bit offset")]
+    HostTooLarge {
+        /// The buffer's slots.
+        slots: u32,
+        /// Bytes per slot.
+        block_bytes: u64,
+    },
 }
 
 /// The copies of one batch, grouped by layer in layer order.
@@ -124,6 +140,13 @@ pub fn plan(
     host_slots: u32,
 ) -> Result<Plan, PlanError> {
     let num_blocks = layout.num_blocks();
+    let block_bytes = layout.block_bytes();
+    if u64::from(host_slots).checked_mul(block_bytes).is_none() {
+        return Err(PlanError::HostTooLarge {
+            slots: host_slots,
+            block_bytes,
+        });
+    }
     let mut sorted = pairs.to_vec();
     sorted.sort_unstable();
     for w in sorted.windows(2) {
@@ -157,7 +180,6 @@ pub fn plan(
         }
     }
     let runs = runs(&sorted);
-    let block_bytes = layout.block_bytes();
     let mut bytes = 0;
     let layers = layout
         .layers()
@@ -281,5 +303,25 @@ mod tests {
             Err(PlanError::DuplicateSlot(0))
         );
         assert_eq!(plan(&layout, &[], 4).map(|p| p.bytes()), Ok(0));
+        let huge = DeviceLayout::contiguous(0, 1, 1, u64::MAX / 4, 1).expect("valid");
+        assert!(matches!(
+            plan(&huge, &pairs(&[(0, 0)]), 8),
+            Err(PlanError::HostTooLarge { slots: 8, .. })
+        ));
+    }
+
+    #[test]
+    fn an_extent_past_the_address_space_has_no_end() {
+        let c = Copy2d {
+            layer: 0,
+            device: 0,
+            device_pitch: 8,
+            host: 0,
+            host_pitch: 1 << 63,
+            width: 8,
+            height: 3,
+        };
+        assert_eq!(c.host_end(), None);
+        assert_eq!(c.device_end(), Some(24));
     }
 }

@@ -2,16 +2,23 @@
 
 A kvgate block is one engine block across every attention layer: layer after layer (in the KV
 cache group's layer order), each layer's part being that layer's tensor at the block's index,
-as bytes. vLLM's per-layer tensors come in two shapes: blocks first (``[num_blocks, ...]``, the
-CPU and FlashInfer backends; one block of one layer is ``tensor[block_id]``) and K/V first
-(``[2, num_blocks, ...]``, FlashAttention on GPUs; the block is ``tensor[0][block_id]`` then
-``tensor[1][block_id]``). Both give the same bytes for a block (its K part, then its V part), so
-blocks move between engines whatever their attention backend. Copies are batched: one
-``index_select``/``index_copy_`` per layer and plane for all blocks of a batch, which land in
-consecutive slots of the segment.
+as bytes. Two tensor shapes are taken:
 
-On a GPU, ``pin`` page-locks the segment with CUDA (``cudaHostRegister``), so those copies are
-DMA transfers rather than copies staged through pageable memory.
+- blocks first, ``[num_blocks, ...]`` (most of vLLM 0.32's backends, the CPU one included):
+  the block is ``tensor[block_id]``;
+- K and V first, ``[2, num_blocks, ...]`` (e.g. vLLM's ROCm attention backend): the block is
+  ``tensor[0][block_id]`` then ``tensor[1][block_id]``, the same bytes a ``[num_blocks, 2, ...]``
+  tensor of the same inner shape gives.
+
+Backends whose inner layout differs (FlashAttention in vLLM 0.32 keeps K and V side by side per
+head, ``[num_blocks, heads, block_size, 2 * head_size]``) give other bytes for the same
+tokens, so blocks are shared only between engines with the same layout.
+
+Copies are batched: one ``index_select``/``index_copy_`` per layer and plane for all blocks of
+a batch, which land in consecutive slots of the segment. On an accelerator the rows are
+assembled in a contiguous buffer on the device and moved with one copy each way, and ``pin``
+page-locks the segment with CUDA, so that copy is a DMA transfer rather than one staged
+through pageable memory.
 """
 
 from __future__ import annotations
@@ -38,10 +45,12 @@ class BlockCopier:
         self._layers: list[tuple[torch.Tensor, int, int]] = []
         offset = 0
         for i, t in enumerate(layers):
-            if t.dim() >= 2 and t.shape[0] >= num_blocks:
-                planes = [t]
-            elif t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] >= num_blocks:
+            # K/V-first is tested first: with more than two blocks, a blocks-first tensor never
+            # has exactly 2 in front, and a K/V-first one always has.
+            if t.dim() >= 3 and t.shape[0] == 2 and num_blocks > 2 and t.shape[1] >= num_blocks:
                 planes = [t[0], t[1]]
+            elif t.dim() >= 2 and t.shape[0] >= num_blocks:
+                planes = [t]
             else:
                 raise LayoutMismatch(
                     f"layer {i}: KV tensor of shape {tuple(t.shape)} has its {num_blocks} "
@@ -57,6 +66,10 @@ class BlockCopier:
                 f"the KV tensors hold {offset} bytes per block, the layout declares {block_bytes}"
             )
         self.device = layers[0].device
+        #: Assemble rows in a contiguous buffer on the KV device and move them with one copy
+        #: (on accelerators: strided copies into host memory would go through pageable
+        #: temporaries).
+        self.staged = self.device.type != "cpu"
 
     def _batch(self, segment: torch.Tensor, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots 0..n-1 of ``segment`` as rows of a block each, and the block ids as an index."""
@@ -73,29 +86,44 @@ class BlockCopier:
         if not block_ids:
             return
         rows, idx = self._batch(segment, block_ids)
+        out = torch.empty_like(rows, device=self.device) if self.staged else rows
         for t, offset, per in self._layers:
             data = t.index_select(0, idx).contiguous().view(torch.uint8).view(len(idx), per)
-            rows[:, offset : offset + per].copy_(data)
+            out[:, offset : offset + per].copy_(data)
+        if self.staged:
+            rows.copy_(out)
 
     def scatter(self, segment: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Copies slots 0..n-1 of ``segment`` into the blocks."""
         if not block_ids:
             return
         rows, idx = self._batch(segment, block_ids)
+        src_rows = rows.to(self.device) if self.staged else rows
         for t, offset, per in self._layers:
-            src = rows[:, offset : offset + per].contiguous().view(t.dtype)
-            t.index_copy_(0, idx, src.view(len(idx), *t.shape[1:]).to(self.device))
+            src = src_rows[:, offset : offset + per].contiguous().view(t.dtype)
+            t.index_copy_(0, idx, src.view(len(idx), *t.shape[1:]))
+
+
+class PinError(RuntimeError):
+    """CUDA refused to page-lock the staging segment."""
 
 
 def pin(staging: torch.Tensor, device: torch.device) -> bool:
     """Page-locks ``staging`` (the mapped segment) for CUDA when the KV cache is on a CUDA device.
 
-    Returns whether it did: ``False`` for other devices, and when the driver refuses (the copies
-    then still work, through pageable memory). The registration lasts as long as the process;
-    the segment is mapped once per worker and kept across reconnects.
+    Returns ``False`` for other devices, ``True`` once registered. Raises ``PinError`` when CUDA
+    refuses, as PyTorch's own pinning does: the CUDA runtime keeps the error as the thread's last
+    one, which would surface later at an unrelated kernel launch, so carrying on is not safe
+    (the connector's ``pin_staging: false`` turns pinning off). The registration lasts as long as
+    the process; the segment is mapped once per worker and kept across reconnects.
     """
     if device.type != "cuda" or staging.numel() == 0:
         return False
     err = torch.cuda.cudart().cudaHostRegister(staging.data_ptr(), staging.numel(), 0)
     code = int(getattr(err, "value", err))
-    return code == 0
+    if code != 0:
+        raise PinError(
+            f"cudaHostRegister of the {staging.numel()}-byte staging segment failed (CUDA error "
+            f"{code}); set kv_connector_extra_config pin_staging: false to run without pinning"
+        )
+    return True

@@ -94,6 +94,8 @@ class Settings:
     retry_s: float = 1.0
     #: The longest wait between reconnection tries, s.
     max_retry_s: float = 30.0
+    #: Page-lock the worker's staging segment with CUDA when the KV cache is on a GPU.
+    pin_staging: bool = True
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> Settings:
@@ -333,13 +335,7 @@ class KvgateConnector(KVConnectorBase_V1):
         self._client = self._connect(layout, slots * layout.block_bytes)
         self._staging = torch.frombuffer(self._client.segment.map, dtype=torch.uint8)
         self._slots = slots
-        pinned = pin(self._staging, self._copier.device)
-        if self._copier.device.type == "cuda" and not pinned:
-            log.warning(
-                "kvgate connector: CUDA refused to page-lock the %d-byte staging segment; "
-                "copies go through pageable memory",
-                self._staging.numel(),
-            )
+        pinned = self._settings.pin_staging and pin(self._staging, self._copier.device)
         log.info(
             "kvgate connector (worker): %d layers, %d bytes per block, %d staging slots%s, socket %s",
             layout.layers,

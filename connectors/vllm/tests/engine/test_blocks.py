@@ -82,3 +82,29 @@ def test_k_and_v_first_tensors_give_the_same_block_bytes_as_blocks_first_ones():
 
 def test_pinning_is_only_for_cuda_caches():
     assert not pin(torch.zeros(64, dtype=torch.uint8), torch.device("cpu"))
+
+
+def test_the_staged_path_moves_the_same_bytes():
+    """The accelerator path (rows assembled in a contiguous buffer on the KV device, one copy
+    each way), exercised on CPU tensors."""
+    torch.manual_seed(2)
+    kv_first = torch.randn(2, NUM_BLOCKS, 4, 2, 8, dtype=torch.float16)
+    blocks_first = torch.randn(NUM_BLOCKS, 3, 8, dtype=torch.bfloat16)
+    plain = BlockCopier([kv_first, blocks_first], NUM_BLOCKS)
+    staged = BlockCopier([kv_first, blocks_first], NUM_BLOCKS)
+    staged.staged = True
+    seg_a = torch.zeros(3 * plain.block_bytes, dtype=torch.uint8)
+    seg_b = torch.zeros_like(seg_a)
+    plain.gather([4, 1, 3], seg_a)
+    staged.gather([4, 1, 3], seg_b)
+    assert torch.equal(seg_a, seg_b)
+    before = (kv_first.clone(), blocks_first.clone())
+    staged.scatter(seg_b, [0, 2, 5])
+    assert torch.equal(kv_first[:, 0], before[0][:, 4])
+    assert torch.equal(kv_first[:, 5], before[0][:, 3])
+    assert torch.equal(blocks_first[2], before[1][1])
+
+
+def test_a_two_block_cache_is_read_blocks_first():
+    t = torch.zeros(2, 3, 4)
+    assert BlockCopier([t], 2).block_bytes == 3 * 4 * 4
