@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::cuda::{Cuda, CudaError, CudaMover, Unavailable};
+use crate::cuda::{Cuda, CudaError, CudaMover};
 use crate::gds::{Gds, GdsError};
 use crate::layout::{DeviceLayout, LayoutError};
 use crate::mover::{HostMover, OutOfBounds, enqueue};
@@ -451,19 +451,6 @@ fn cuda_rows(
         (_, Err(e)) => skipped.push(format!("gds: {e}")),
     }
     Ok((rows, skipped))
-}
-
-/// Why CUDA is unavailable, for callers that only want the reason.
-pub fn cuda_status(device: usize) -> Result<String, Unavailable> {
-    Cuda::open(device).and_then(|c| {
-        c.name().map_err(|e| match e {
-            CudaError::Driver { source, .. } => Unavailable::Device {
-                ordinal: device,
-                source,
-            },
-            CudaError::OutOfBounds(_) => Unavailable::NoDriver,
-        })
-    })
 }
 
 #[cfg(test)]

@@ -116,7 +116,6 @@ impl Cuda {
         Ok(DeviceBuffer {
             address,
             len: bytes,
-            stream: stream.clone(),
             last_use,
             _slice: slice,
         })
@@ -213,7 +212,6 @@ impl Cuda {
 pub struct DeviceBuffer {
     address: u64,
     len: usize,
-    stream: Arc<CudaStream>,
     last_use: CudaEvent,
     _slice: CudaSlice<u8>,
 }
@@ -232,11 +230,6 @@ impl DeviceBuffer {
     /// Whether it is empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-
-    /// The stream it was allocated on (its free is ordered there).
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
     }
 
     /// Records that work now enqueued on `stream` uses the buffer.
@@ -452,10 +445,6 @@ impl Mover for CudaMover<'_> {
         self.stream
             .record_event(None)
             .map_err(driver("cuEventCreate/cuEventRecord"))
-    }
-
-    fn wait(&mut self, event: &CudaEvent) -> Result<(), CudaError> {
-        event.synchronize().map_err(driver("cuEventSynchronize"))
     }
 }
 

@@ -1,4 +1,5 @@
-//! Issuing a plan: copies in stream order, an event after each layer.
+//! Issuing a plan: copies in stream order, an event after each layer (a caller waits on the
+//! event of the layer it needs: `CudaEvent::synchronize`, or nothing for [`HostMover`]).
 //!
 //! [`Mover`] is the device layer: [`crate::cuda::CudaMover`] on a CUDA stream, or
 //! [`HostMover`], whose "device" is host memory (the CPU backend's case, the benchmark's
@@ -18,9 +19,6 @@ pub trait Mover {
 
     /// Marks the current end of the queue.
     fn record(&mut self) -> Result<Self::Event, Self::Error>;
-
-    /// Blocks until `event` has completed.
-    fn wait(&mut self, event: &Self::Event) -> Result<(), Self::Error>;
 }
 
 /// Enqueues every copy of `plan`, layer by layer, and returns one event per layer: the
@@ -164,10 +162,6 @@ impl Mover for HostMover<'_> {
 
     fn record(&mut self) -> Result<u64, OutOfBounds> {
         Ok(self.copies)
-    }
-
-    fn wait(&mut self, _event: &u64) -> Result<(), OutOfBounds> {
-        Ok(())
     }
 }
 
