@@ -1,13 +1,14 @@
 //! The chaos tier, fast version: a steady streaming load through the local stack (Envoy failing
-//! open, the EPP, three engines behind their sidecars, NATS, the block manager) while one
-//! component at a time is crashed (SIGKILL) and restarted by the stack's supervisor, as
-//! `kvgate-bench up --supervise` does.
+//! open, two EPP replicas that Envoy health-checks, three engines behind their sidecars, NATS,
+//! the block manager) while one component at a time is crashed (SIGKILL) and restarted by the
+//! stack's supervisor, as `kvgate-bench up --supervise` does: an engine, a sidecar, NATS, one
+//! of the two EPP replicas, the block manager.
 //!
 //! Asserted per crash: no failed request, except those in flight on a crashed sidecar (its
 //! streams die with it); the supervisor has the component back within 10 s; and within a few
 //! seconds of that the prefix hit rate is back within 2 points of the baseline (at least one
 //! window per crash). Once the load stops, the EPP's index holds for every engine exactly the
-//! distinct blocks the engine caches: nothing stale, nothing missing. The figures are printed
+//! distinct blocks the engine caches, in each replica: nothing stale, nothing missing. The figures are printed
 //! (`--no-capture`) for docs/benchmarks.md.
 //!
 //! Longer version: `CHAOS_WINDOW_S=20 cargo test -p kvgate-e2e --test chaos -- --nocapture`.
@@ -86,6 +87,7 @@ fn crashing_each_component_under_load_loses_only_what_it_held() {
     let mut stack = Stack::start(StackConfig {
         engines: 3,
         fail_open: true,
+        epp_replicas: 2,
         log_level: "info".into(),
         kvbm: Some(KvbmConfig::default()),
         ..StackConfig::default()
@@ -142,6 +144,7 @@ fn crashing_each_component_under_load_loses_only_what_it_held() {
         Component::Engine(1),
         Component::Sidecar(1),
         Component::Nats,
+        // Replica 0 of two.
         Component::Epp,
         Component::Kvbm,
     ];
@@ -202,12 +205,14 @@ fn crashing_each_component_under_load_loses_only_what_it_held() {
         };
         let unexpected = failed.iter().filter(|r| !allowed(r)).count();
         let rates: Vec<(f64, usize)> = windows.iter().map(|w| hit_rate(&records, *w)).collect();
+        let (at_crash, at_crash_n) = hit_rate(&records, *crash_phase);
         let back = rates
             .iter()
             .position(|(rate, n)| *n > 0 && *rate >= baseline - 2.0);
         eprintln!(
             "{component}: restarted in {} ms; {} requests overlapped, {} failed ({} outside the \
-             crashed component); hit rate by {}-s window after: {}",
+             crashed component); hit rate during the restart {at_crash:.1}% ({at_crash_n}), by \
+             {}-s window after: {}",
             restarted.as_millis(),
             during.len(),
             failed.len(),
@@ -235,57 +240,59 @@ fn crashing_each_component_under_load_loses_only_what_it_held() {
             ));
         }
     }
+    // Envoy noticed the dead replica through its health checks (not only through failed
+    // streams, which fail open).
+    let hc_failures = probe::http_get(
+        stack.ports().envoy_admin,
+        "/stats?filter=cluster.ext_proc.health_check.failure",
+        Duration::from_secs(2),
+    )
+    .ok()
+    .and_then(|(_, body)| {
+        body.lines()
+            .find_map(|l| l.strip_prefix("cluster.ext_proc.health_check.failure: "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    });
+    eprintln!("Envoy's failed health checks of the EPP replicas: {hc_failures:?}");
+    if hc_failures.unwrap_or(0) == 0 {
+        problems.push(format!(
+            "Envoy never saw an EPP replica fail its health check: {hc_failures:?}"
+        ));
+    }
     problems.extend(stale_index(&stack));
     stack.stop();
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
-/// Once the load has stopped, the EPP's index must hold for each engine exactly the distinct
-/// blocks the engine says it caches (its KV events' net effect): after every crash and
-/// restart above, nothing stale is left in it and nothing is missing. Polled for a while, as
-/// the last events and speculative entries (which expire) settle.
+/// Once the load has stopped, each EPP replica's index must hold for each engine exactly the
+/// distinct blocks the engine says it caches (its KV events' net effect): after every crash
+/// and restart above, nothing stale is left in it and nothing is missing. Polled for a while,
+/// as the last events and speculative entries (which expire) settle.
 fn stale_index(stack: &Stack) -> Vec<String> {
     let ports = stack.ports();
     let engines = stack.endpoints().len();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let report = probe::http_get(ports.epp_metrics, "/debug/index", Duration::from_secs(2))
-            .ok()
-            .and_then(|(status, body)| (status == 200).then_some(body))
-            .and_then(|body| serde_json::from_str::<serde_json::Value>(&body).ok());
         let mut mismatches = Vec::new();
         let mut matched = Vec::new();
-        for i in 0..engines {
-            let pod = Component::pod_name(i);
-            let indexed = report.as_ref().and_then(|r| {
-                r["endpoints"]
-                    .as_array()?
-                    .iter()
-                    .find(|e| e["pod"] == pod.as_str())?["blocks"]
-                    .as_u64()
-            });
-            let page = ports
-                .engine_http(i)
-                .and_then(|p| probe::http_get(p, "/metrics", Duration::from_secs(2)).ok())
-                .map(|(_, body)| body)
-                .unwrap_or_default();
-            let cached = probe::metric_sum(&page, "kvgate_sim_distinct_cached_blocks");
-            let host = probe::metric_sum(&page, "kvgate_sim_host_blocks");
-            assert_eq!(
-                host,
-                Some(0.0),
-                "{pod}: the check assumes no engine-side host tier"
+        for replica in 0..stack.config().epp_replicas {
+            let metrics = ports.epp(replica).unwrap().metrics;
+            let report = probe::http_get(metrics, "/debug/index", Duration::from_secs(2))
+                .ok()
+                .and_then(|(status, body)| (status == 200).then_some(body))
+                .and_then(|body| serde_json::from_str::<serde_json::Value>(&body).ok());
+            compare_index(
+                ports,
+                engines,
+                report.as_ref(),
+                &format!("replica {replica}"),
+                &mut matched,
+                &mut mismatches,
             );
-            match (indexed, cached) {
-                (Some(n), Some(c)) if n as f64 == c => matched.push(format!("{pod} {n}")),
-                _ => mismatches.push(format!(
-                    "{pod}: the EPP's index holds {indexed:?} blocks, the engine caches {cached:?}"
-                )),
-            }
         }
         if mismatches.is_empty() {
             eprintln!(
-                "index: every engine's blocks match the EPP's index ({})",
+                "index: every engine's blocks match each EPP replica's index ({})",
                 matched.join(", ")
             );
             return Vec::new();
@@ -294,5 +301,47 @@ fn stale_index(stack: &Stack) -> Vec<String> {
             return mismatches;
         }
         std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// One replica's `/debug/index` report against the engines' own counts.
+fn compare_index(
+    ports: &kvgate_e2e::stack::ports::Ports,
+    engines: usize,
+    report: Option<&serde_json::Value>,
+    replica: &str,
+    matched: &mut Vec<String>,
+    mismatches: &mut Vec<String>,
+) {
+    for i in 0..engines {
+        let pod = Component::pod_name(i);
+        let indexed = report.and_then(|r| {
+            r["endpoints"]
+                .as_array()?
+                .iter()
+                .find(|e| e["pod"] == pod.as_str())?["blocks"]
+                .as_u64()
+        });
+        let page = ports
+            .engine_http(i)
+            .and_then(|p| probe::http_get(p, "/metrics", Duration::from_secs(2)).ok())
+            .map(|(_, body)| body)
+            .unwrap_or_default();
+        let cached = probe::metric_sum(&page, "kvgate_sim_distinct_cached_blocks");
+        let host = probe::metric_sum(&page, "kvgate_sim_host_blocks");
+        assert_eq!(
+            host,
+            Some(0.0),
+            "{pod}: the check assumes no engine-side host tier"
+        );
+        match (indexed, cached) {
+            (Some(n), Some(c)) if n as f64 == c => {
+                matched.push(format!("{replica}: {pod} {n}"));
+            }
+            _ => mismatches.push(format!(
+                "{replica}, {pod}: the EPP's index holds {indexed:?} blocks, the engine \
+                 caches {cached:?}"
+            )),
+        }
     }
 }

@@ -91,6 +91,10 @@ pub struct StackConfig {
     pub subset_header: bool,
     /// What routes requests: Envoy + EPP, or a peer router in their place.
     pub router: Router,
+    /// EPP replicas (active-active, each with its own index from the same events); Envoy
+    /// health-checks them over gRPC and stops sending to one that is down. `Component::Epp` is
+    /// replica 0, `Component::EppReplica(i)` replica `i`.
+    pub epp_replicas: usize,
     /// A peer router's `--policy` (`cache_aware`, `round_robin`, …).
     pub router_policy: String,
     /// A peer router's program; found in `.venv/bin`, `$KVGATE_ROUTERS_VENV/bin` or on the
@@ -138,6 +142,7 @@ impl Default for StackConfig {
             scheduler: SchedulerConfig::default(),
             kv_events: KvEventsPath::Nats,
             router: Router::EnvoyEpp,
+            epp_replicas: 1,
             router_policy: "cache_aware".into(),
             router_bin: None,
             envoy_lb: EnvoyLb::OverrideHost,
@@ -241,6 +246,9 @@ impl StackConfig {
                 return Err("kvbm: give host, disk or remote bytes".into());
             }
         }
+        if self.epp_replicas == 0 {
+            return Err("epp replicas: at least 1".into());
+        }
         if self.envoy_lb == EnvoyLb::OriginalDst && self.scheduler.fallbacks != 0 {
             return Err(
                 "--envoy-lb original-dst follows one endpoint only: set fallbacks to 0".into(),
@@ -258,12 +266,19 @@ impl StackConfig {
         all.extend((0..self.engine_processes()).map(Component::Engine));
         all.extend((0..self.engines).map(Component::Sidecar));
         if self.router == Router::EnvoyEpp {
-            all.push(Component::Epp);
+            all.extend(self.epps());
             all.push(Component::Envoy);
         } else {
             all.push(Component::Router);
         }
         all
+    }
+
+    /// The EPP replicas' components: [`Component::Epp`], then `EppReplica(1..)`.
+    pub fn epps(&self) -> Vec<Component> {
+        std::iter::once(Component::Epp)
+            .chain((1..self.epp_replicas).map(Component::EppReplica))
+            .collect()
     }
 
     /// Engine processes: one per data-parallel rank of each pod, pod-major
@@ -299,9 +314,10 @@ pub enum Component {
     Engine(usize),
     /// The `kvgate-sidecar` of engine pod `i` (all its ranks).
     Sidecar(usize),
-    /// `kvgate-epp`.
+    /// `kvgate-epp` (in the local stack, replica 0).
     Epp,
-    /// EPP replica `i` of the Kubernetes stack (`crate::kube`).
+    /// EPP replica `i`: of the local stack `i ≥ 1` (replica 0 is [`Component::Epp`]), of the
+    /// Kubernetes stack (`crate::kube`) every replica.
     EppReplica(usize),
     /// Envoy.
     Envoy,
@@ -310,6 +326,15 @@ pub enum Component {
 }
 
 impl Component {
+    /// The EPP replica this component is, if it is one.
+    pub fn epp_replica(self) -> Option<usize> {
+        match self {
+            Component::Epp => Some(0),
+            Component::EppReplica(i) => Some(i),
+            _ => None,
+        }
+    }
+
     /// The pod name of engine pod `i` (its endpoint name in the EPP).
     pub fn pod_name(i: usize) -> String {
         format!("sim-{i}")
@@ -416,6 +441,23 @@ mod tests {
             ..c.clone()
         };
         assert!(bad.validate().is_err());
+        let two_epps = StackConfig {
+            epp_replicas: 2,
+            ..c.clone()
+        };
+        let names: Vec<String> = two_epps.components()[5..]
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(names, ["epp", "epp-1", "envoy"]);
+        assert!(
+            StackConfig {
+                epp_replicas: 0,
+                ..c.clone()
+            }
+            .validate()
+            .is_err()
+        );
         let peer = StackConfig {
             router: Router::Smg,
             ..c

@@ -12,7 +12,7 @@ use scheduler::Policy;
 use super::bins::Binaries;
 use super::config::{Component, KvEventsPath, Router, StackConfig};
 use super::error::StackError;
-use super::ports::Ports;
+use super::ports::{EppPorts, Ports};
 use super::probe;
 use super::process::{Proc, Spec};
 use super::render;
@@ -37,11 +37,12 @@ impl Stack {
         config.validate().map_err(StackError::Config)?;
         let bins = Binaries::locate(&config)?;
         let run_dir = make_run_dir(config.run_dir.as_deref())?;
-        let ports =
-            Ports::allocate(config.engines, config.dp_ranks).map_err(|source| StackError::Io {
+        let ports = Ports::allocate(config.engines, config.dp_ranks, config.epp_replicas).map_err(
+            |source| StackError::Io {
                 what: "choosing free ports".into(),
                 source,
-            })?;
+            },
+        )?;
         let mut stack = Stack {
             config,
             ports,
@@ -186,7 +187,10 @@ impl Stack {
             })?
             .envoy;
         }
-        for front in [Component::Envoy, Component::Epp, Component::Router] {
+        let fronts = [Component::Envoy, Component::Router]
+            .into_iter()
+            .chain(self.config.epps());
+        for front in fronts {
             if let Some(proc) = self.procs.remove(&front) {
                 proc.stop(self.config.stop_grace);
             }
@@ -194,19 +198,25 @@ impl Stack {
         self.config.router = router;
         if router == Router::EnvoyEpp {
             self.write_configs()?;
-            self.start_component(Component::Epp)?;
+            for epp in self.config.epps() {
+                self.start_component(epp)?;
+            }
             self.start_component(Component::Envoy)
         } else {
             self.start_component(Component::Router)
         }
     }
 
-    /// Restarts the EPP with another scheduling policy; the engines, their caches and the
-    /// sidecars stay as they are, so policies can be compared on the same engines.
+    /// Restarts the EPP (every replica) with another scheduling policy; the engines, their
+    /// caches and the sidecars stay as they are, so policies can be compared on the same
+    /// engines.
     pub fn set_policy(&mut self, policy: Policy) -> Result<(), StackError> {
         self.config.scheduler.policy = policy;
         self.write_file("scheduler.yaml", &self.scheduler_yaml()?)?;
-        self.restart(Component::Epp)
+        for epp in self.config.epps() {
+            self.restart(epp)?;
+        }
+        Ok(())
     }
 
     /// Crashes a component (SIGKILL) but keeps watching it, as a supervisor would see a crash:
@@ -268,12 +278,12 @@ impl Stack {
         self.stop_all();
     }
 
-    /// Envoy, then the EPP, then every sidecar at once (they drain in parallel), every engine,
+    /// Envoy, then the EPP replicas, then every sidecar at once (they drain in parallel), every engine,
     /// the block manager (its `Cleared` goes out while NATS is up) and Redis, and NATS last.
     fn stop_all(&mut self) {
         let tiers: [Vec<Component>; 7] = [
             vec![Component::Envoy, Component::Router],
-            vec![Component::Epp],
+            self.config.epps(),
             (0..self.config.engines).map(Component::Sidecar).collect(),
             (0..self.config.engine_processes())
                 .map(Component::Engine)
@@ -328,8 +338,11 @@ impl Stack {
             // published before the EPP subscribes is lost to it until that source publishes
             // again, so a stack handed out earlier could route a prefix it was just told of
             // without knowing.
-            Component::Epp | Component::EppReplica(_) => page(ports.epp_metrics, "/metrics")
-                .is_ok_and(|p| {
+            Component::Epp | Component::EppReplica(_) => component
+                .epp_replica()
+                .and_then(|r| ports.epp(r))
+                .and_then(|e| page(e.metrics, "/metrics").ok())
+                .is_some_and(|p| {
                     !nats_events
                         || !probe::tcp_open(ports.nats, PROBE_TIMEOUT)
                         || probe::metric_sum(&p, "kvgate_epp_nats_connected")
@@ -486,6 +499,14 @@ impl Stack {
                 (self.bins.sidecar.clone(), args, rust_env)
             }
             Component::Epp | Component::EppReplica(_) => {
+                let ports = component
+                    .epp_replica()
+                    .and_then(|r| self.ports.epp(r))
+                    .unwrap_or(EppPorts {
+                        grpc: 0,
+                        health: 0,
+                        metrics: 0,
+                    });
                 let mut args = strings(&[
                     "--pool-name",
                     &c.pool,
@@ -499,11 +520,11 @@ impl Stack {
                     &path("scheduler.yaml"),
                     "--plaintext",
                     "--grpc-port",
-                    &self.ports.epp_grpc.to_string(),
+                    &ports.grpc.to_string(),
                     "--grpc-health-port",
-                    &self.ports.epp_health.to_string(),
+                    &ports.health.to_string(),
                     "--metrics-port",
-                    &self.ports.epp_metrics.to_string(),
+                    &ports.metrics.to_string(),
                     "--model",
                     &c.model,
                     "--block-size",

@@ -20,6 +20,17 @@ pub struct EnginePorts {
     pub sidecar_metrics: u16,
 }
 
+/// Ports of one EPP replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EppPorts {
+    /// ext_proc gRPC.
+    pub grpc: u16,
+    /// gRPC health.
+    pub health: u16,
+    /// `/metrics` and `/debug/index`.
+    pub metrics: u16,
+}
+
 /// Every port of a stack.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ports {
@@ -29,12 +40,14 @@ pub struct Ports {
     pub nats: u16,
     /// Per engine.
     pub engines: Vec<EnginePorts>,
-    /// The EPP's ext_proc gRPC port.
+    /// The (first) EPP's ext_proc gRPC port.
     pub epp_grpc: u16,
-    /// The EPP's gRPC health port.
+    /// The (first) EPP's gRPC health port.
     pub epp_health: u16,
-    /// The EPP's `/metrics` port.
+    /// The (first) EPP's `/metrics` port.
     pub epp_metrics: u16,
+    /// EPP replicas 1.. (replica 0's ports are the three above); see [`Ports::epp`].
+    pub more_epps: Vec<EppPorts>,
     /// Envoy's listener: the OpenAI base URL's port.
     pub envoy_listen: u16,
     /// Envoy's admin port.
@@ -47,18 +60,23 @@ pub struct Ports {
 
 const PER_ENGINE: usize = 5;
 const FIXED: usize = 8;
+const PER_EPP: usize = 3;
 
 impl Ports {
     /// Distinct free loopback ports for a stack of `engines` engine pods of `dp_ranks` ranks
-    /// each. All listeners are held until every port is chosen, so no two coincide; another
+    /// each and `epp_replicas` EPPs (at least one is laid out). All listeners are held until every port is chosen, so no two coincide; another
     /// process may still take one before its component binds it (the component then fails
     /// readiness with its log).
-    pub fn allocate(engines: usize, dp_ranks: u16) -> std::io::Result<Ports> {
+    pub fn allocate(engines: usize, dp_ranks: u16, epp_replicas: usize) -> std::io::Result<Ports> {
+        let more_epps = epp_replicas.saturating_sub(1);
+        let engine_end = FIXED + PER_ENGINE * engines;
         let mut held = Vec::new();
-        let mut list = Vec::with_capacity(FIXED + PER_ENGINE * engines);
-        for i in 0..FIXED + PER_ENGINE * engines {
-            // The last port of each engine (the sidecar's metrics) is single; the others are runs.
-            let run = if i >= FIXED && (i - FIXED) % PER_ENGINE != PER_ENGINE - 1 {
+        let mut list = Vec::with_capacity(engine_end + PER_EPP * more_epps);
+        for i in 0..engine_end + PER_EPP * more_epps {
+            // The last port of each engine (the sidecar's metrics) is single, as is every
+            // port after the engines' (the further EPPs'); the others are runs.
+            let run = if i >= FIXED && i < engine_end && (i - FIXED) % PER_ENGINE != PER_ENGINE - 1
+            {
                 dp_ranks.max(1)
             } else {
                 1
@@ -67,13 +85,14 @@ impl Ports {
             held.extend(listeners);
             list.push(base);
         }
-        Ok(Ports::from_list(&list, engines, dp_ranks.max(1)))
+        Ok(Ports::from_list(&list, engines, dp_ranks.max(1), more_epps))
     }
 
-    /// Lays out `list` (at least [`FIXED`] + [`PER_ENGINE`] × `engines` ports; missing ones
-    /// read as 0, which the caller never produces).
-    fn from_list(list: &[u16], engines: usize, dp_ranks: u16) -> Ports {
+    /// Lays out `list` ([`FIXED`] + [`PER_ENGINE`] × `engines` + [`PER_EPP`] × `more_epps`
+    /// ports; missing ones read as 0, which the caller never produces).
+    fn from_list(list: &[u16], engines: usize, dp_ranks: u16, more_epps: usize) -> Ports {
         let at = |i: usize| list.get(i).copied().unwrap_or(0);
+        let epp_base = FIXED + PER_ENGINE * engines;
         Ports {
             dp_ranks,
             nats: at(0),
@@ -96,6 +115,28 @@ impl Ports {
                     }
                 })
                 .collect(),
+            more_epps: (0..more_epps)
+                .map(|r| {
+                    let b = epp_base + PER_EPP * r;
+                    EppPorts {
+                        grpc: at(b),
+                        health: at(b + 1),
+                        metrics: at(b + 2),
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    /// EPP replica `i`'s ports (replica 0 is the stack's first EPP).
+    pub fn epp(&self, i: usize) -> Option<EppPorts> {
+        match i.checked_sub(1) {
+            None => Some(EppPorts {
+                grpc: self.epp_grpc,
+                health: self.epp_health,
+                metrics: self.epp_metrics,
+            }),
+            Some(more) => self.more_epps.get(more).copied(),
         }
     }
 
@@ -133,6 +174,9 @@ impl Ports {
                 all.extend([e.http, e.events, e.replay, e.proxy].map(|p| p.saturating_add(r)));
             }
             all.push(e.sidecar_metrics);
+        }
+        for e in &self.more_epps {
+            all.extend([e.grpc, e.health, e.metrics]);
         }
         all
     }
@@ -180,7 +224,7 @@ mod tests {
 
     #[test]
     fn data_parallel_ranks_get_consecutive_ports() {
-        let p = Ports::allocate(2, 3).unwrap();
+        let p = Ports::allocate(2, 3, 1).unwrap();
         let mut all = p.all();
         assert_eq!(all.len(), FIXED + 2 * (4 * 3 + 1));
         all.sort_unstable();
@@ -196,12 +240,16 @@ mod tests {
 
     #[test]
     fn allocated_ports_are_distinct_and_nonzero() {
-        let p = Ports::allocate(4, 1).unwrap();
+        let p = Ports::allocate(4, 1, 3).unwrap();
         let mut all = p.all();
-        assert_eq!(all.len(), FIXED + PER_ENGINE * 4);
+        let n = FIXED + PER_ENGINE * 4 + PER_EPP * 2;
+        assert_eq!(all.len(), n);
         assert!(all.iter().all(|&x| x != 0));
         all.sort_unstable();
         all.dedup();
-        assert_eq!(all.len(), FIXED + PER_ENGINE * 4);
+        assert_eq!(all.len(), n);
+        assert_eq!(p.epp(0).map(|e| e.grpc), Some(p.epp_grpc));
+        assert_eq!(p.epp(2), p.more_epps.get(1).copied());
+        assert_eq!(p.epp(3), None);
     }
 }

@@ -95,12 +95,17 @@ pub fn envoy_yaml(config: &StackConfig, ports: &Ports) -> String {
             )
         })
         .collect();
+    // Envoy allows 3 retries in flight per cluster by default; past that a retry is refused
+    // (flag `UO`) and the client gets the engine's 502. When an engine dies under load, every
+    // request in flight on it retries at once, so the budget is a share of the active
+    // requests instead, with a floor for small pools.
+    let breakers = "    circuit_breakers:\n      thresholds:\n      - retry_budget: { budget_percent: { value: 50.0 }, min_retry_concurrency: 64 }\n";
     let pool = match config.envoy_lb {
         EnvoyLb::OverrideHost => format!(
             r#"  - name: pool
     type: STATIC
     connect_timeout: 1s
-    load_assignment:
+{breakers}    load_assignment:
       cluster_name: pool
       endpoints:
       - lb_endpoints:
@@ -121,15 +126,16 @@ pub fn envoy_yaml(config: &StackConfig, ports: &Ports) -> String {
                     "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
 "#
         ),
-        EnvoyLb::OriginalDst => r#"  - name: pool
+        EnvoyLb::OriginalDst => format!(
+            r#"  - name: pool
     type: ORIGINAL_DST
     connect_timeout: 1s
-    lb_policy: CLUSTER_PROVIDED
+{breakers}    lb_policy: CLUSTER_PROVIDED
     original_dst_lb_config:
       use_http_header: true
       http_header_name: x-gateway-destination-endpoint
 "#
-        .to_owned(),
+        ),
     };
     format!(
         r#"# Envoy for the kvgate local stack (written by kvgate-bench up).
@@ -229,22 +235,33 @@ static_resources:
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
   clusters:
-{pool}  - name: ext_proc
+{pool}  # The EPP replicas, active-active. Each is health-checked over gRPC on its health port (the
+  # ext_proc service's status follows the EPP's readiness), so a replica that dies or is not
+  # ready stops getting streams within about a second; until then its streams fail (open or
+  # closed, as the filter says). A stream in flight on a replica that dies is lost.
+  - name: ext_proc
     type: STATIC
     connect_timeout: 1s
+    lb_policy: LEAST_REQUEST
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config: {{ http2_protocol_options: {{}} }}
+    health_checks:
+    - timeout: 0.25s
+      interval: 0.25s
+      no_traffic_interval: 0.25s
+      unhealthy_threshold: 1
+      healthy_threshold: 1
+      grpc_health_check: {{ service_name: "envoy.service.ext_proc.v3.ExternalProcessor" }}
     load_assignment:
       cluster_name: ext_proc
       endpoints:
       - lb_endpoints:
-        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {grpc} }} }} }}
-"#,
+{epps}"#,
         admin = ports.envoy_admin,
         listen = ports.envoy_listen,
-        grpc = ports.epp_grpc,
+        epps = epp_endpoints(config, ports),
         fail_open = config.fail_open,
         request_body = if config.fail_open {
             "BUFFERED"
@@ -259,6 +276,20 @@ static_resources:
             String::new()
         },
     )
+}
+
+/// The ext_proc cluster's endpoints: each EPP replica's gRPC port, health-checked on its
+/// health port.
+fn epp_endpoints(config: &StackConfig, ports: &Ports) -> String {
+    (0..config.epp_replicas.max(1))
+        .filter_map(|r| ports.epp(r))
+        .map(|e| {
+            format!(
+                "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }}, health_check_config: {{ port_value: {} }} }}\n",
+                e.grpc, e.health
+            )
+        })
+        .collect()
 }
 
 /// The pool's routes: one per [`ROUTED_PATHS`] prefix.
@@ -313,12 +344,12 @@ mod tests {
     use super::*;
 
     fn ports() -> Ports {
-        Ports::allocate(2, 1).unwrap()
+        Ports::allocate(2, 1, 1).unwrap()
     }
 
     #[test]
     fn data_parallel_pods_list_one_port_per_rank_and_envoy_knows_them_all() {
-        let p = Ports::allocate(2, 2).unwrap();
+        let p = Ports::allocate(2, 2, 1).unwrap();
         let c = StackConfig {
             engines: 2,
             dp_ranks: 2,
@@ -390,6 +421,9 @@ mod tests {
         assert!(y.contains("failure_mode_allow: false"));
         assert!(y.contains("request_body_mode: FULL_DUPLEX_STREAMED"));
         assert!(y.contains("override_host"));
+        // Envoy's default of 3 retries in flight per cluster refuses most of a dead engine's
+        // retries under load (`UO`): the pool has a retry budget instead.
+        assert!(y.contains("retry_budget"));
         let closed = StackConfig {
             fail_open: false,
             envoy_lb: EnvoyLb::OriginalDst,
@@ -397,7 +431,44 @@ mod tests {
         };
         let y = envoy_yaml(&closed, &p);
         assert!(y.contains("failure_mode_allow: false") && y.contains("ORIGINAL_DST"));
+        assert!(y.contains("retry_budget"));
         assert!(!y.contains(&format!("port_value: {} ", p.engines[0].proxy)));
+    }
+
+    #[test]
+    fn every_epp_replica_is_an_ext_proc_host_health_checked_on_its_health_port() {
+        let p = Ports::allocate(2, 1, 2).unwrap();
+        let c = StackConfig {
+            epp_replicas: 2,
+            ..StackConfig::default()
+        };
+        let y = envoy_yaml(&c, &p);
+        for r in 0..2 {
+            let e = p.epp(r).unwrap();
+            assert!(
+                y.contains(&format!(
+                    "port_value: {} }} }}, health_check_config: {{ port_value: {} }}",
+                    e.grpc, e.health
+                )),
+                "replica {r}: {y}"
+            );
+        }
+        assert_eq!(y.matches("health_check_config").count(), 2);
+        assert!(y.contains("grpc_health_check"));
+        // The YAML parses, and the ext_proc cluster lists both replicas.
+        let doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(&y).unwrap();
+        let clusters = doc["static_resources"]["clusters"].as_sequence().unwrap();
+        let ext_proc = clusters
+            .iter()
+            .find(|c| c["name"].as_str() == Some("ext_proc"))
+            .unwrap();
+        assert_eq!(
+            ext_proc["load_assignment"]["endpoints"][0]["lb_endpoints"]
+                .as_sequence()
+                .unwrap()
+                .len(),
+            2
+        );
     }
 
     #[test]

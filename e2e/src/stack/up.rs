@@ -105,7 +105,9 @@ pub struct UpArgs {
     /// stack; a restart that fails still stops it. Local stack only.
     #[arg(long)]
     pub supervise: bool,
-    /// EPP replicas in Kubernetes mode (active-active).
+    /// EPP replicas, active-active: each builds its own index from the same KV events. In the
+    /// local stack Envoy health-checks them over gRPC and stops sending to one that is down;
+    /// with --kube the chart's Deployment runs them.
     #[arg(long, default_value_t = 1)]
     pub epp_replicas: usize,
     /// Send the EPP's and the sidecars' request traces to this OTLP/gRPC collector (e.g.
@@ -143,6 +145,7 @@ impl UpArgs {
             scheduler,
             kv_events: self.kv_events,
             router: self.router,
+            epp_replicas: self.epp_replicas,
             router_policy: self.router_policy.clone(),
             router_bin: self.router_bin.clone(),
             envoy_lb: self.envoy_lb,
@@ -325,9 +328,15 @@ fn announce(stack: &Stack) {
     let c = stack.config();
     let routing = match c.router {
         Router::EnvoyEpp => format!(
-            "Envoy + kvgate-epp, policy {}\n  EPP metrics:     http://127.0.0.1:{}/metrics\n  \
+            "Envoy + kvgate-epp, policy {}\n  EPP metrics:     {}\n  \
              Envoy admin:     http://127.0.0.1:{}/",
-            c.scheduler.policy, p.epp_metrics, p.envoy_admin
+            c.scheduler.policy,
+            (0..c.epp_replicas)
+                .filter_map(|r| p.epp(r))
+                .map(|e| format!("http://127.0.0.1:{}/metrics", e.metrics))
+                .collect::<Vec<_>>()
+                .join(" "),
+            p.envoy_admin
         ),
         r => format!(
             "{} in place of Envoy + kvgate-epp, policy {}\n  router metrics:  http://127.0.0.1:{}/metrics",
