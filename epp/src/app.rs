@@ -193,6 +193,7 @@ pub fn run(args: Args) -> Result<(), AppError> {
         nats: nats.as_ref().map(NatsIngest::stats),
         index: Arc::clone(&state.index),
         datastore: Arc::clone(&state.datastore),
+        nodes: Some(Arc::clone(&state.nodes)),
         kube: match &feed {
             Feed::Kube(kube) => Some(Arc::clone(kube.stats())),
             Feed::File(_) => None,

@@ -35,6 +35,8 @@ pub struct Sources {
     pub handoffs: Option<Arc<crate::extproc::Handoffs>>,
     /// Kubernetes discovery's watches, when it runs.
     pub kube: Option<Arc<crate::discovery::kubernetes::KubeStats>>,
+    /// Node names (the block managers' holders in the index), for `/debug/index`.
+    pub nodes: Option<Arc<crate::discovery::apply::NodeIds>>,
 }
 
 /// Engine load samples older than this are left out of the pool averages.
@@ -504,9 +506,19 @@ pub struct IndexedEndpoint {
     pub blocks: usize,
 }
 
-/// `GET /debug/index`: the index's size and each endpoint's blocks in it, to compare with what
-/// the engines report they hold (a stale index holds blocks an engine has dropped). Bounded by
-/// the pool's size; each call takes one read lock per index shard.
+/// One node's line in `/debug/index`: its block manager's blocks.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct IndexedNode {
+    /// The node name (as discovery reports it).
+    pub node: String,
+    /// Blocks the index holds for the node's block manager, any tier.
+    pub blocks: usize,
+}
+
+/// `GET /debug/index`: the index's size and each endpoint's and node's blocks in it, to compare
+/// with what the engines and block managers report they hold (a stale index holds blocks they
+/// have dropped). Bounded by the pool's size; each call takes one read lock per index shard
+/// per endpoint and node.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct IndexReport {
     /// Distinct blocks.
@@ -515,6 +527,8 @@ pub struct IndexReport {
     pub residencies: usize,
     /// The discovered endpoints, by pod name.
     pub endpoints: Vec<IndexedEndpoint>,
+    /// The nodes discovery has named, by name.
+    pub nodes: Vec<IndexedNode>,
 }
 
 /// Builds the `/debug/index` report.
@@ -535,10 +549,22 @@ pub fn index_report(s: &Sources) -> IndexReport {
         })
         .collect();
     endpoints.sort_by(|a, b| (&a.pod, a.port).cmp(&(&b.pod, b.port)));
+    let nodes = s
+        .nodes
+        .as_ref()
+        .map(|n| n.all())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(node, id)| IndexedNode {
+            blocks: s.index.residencies_of(kv_index::Holder::Node(id)),
+            node,
+        })
+        .collect();
     IndexReport {
         blocks: stats.blocks,
         residencies: stats.residencies,
         endpoints,
+        nodes,
     }
 }
 
@@ -600,6 +626,20 @@ mod tests {
         ]);
         let keys: Vec<kv_events::BlockKey> = (1..=3).map(kv_events::BlockKey).collect();
         index.speculate(a, &keys, kv_index::Millis(0), kv_index::Millis(60_000));
+        // Two nodes; the block manager of n-b holds two of the blocks in host memory.
+        let nodes = Arc::new(crate::discovery::apply::NodeIds::default());
+        let node_b = nodes.id("n-b");
+        nodes.id("n-a");
+        index.apply(
+            kv_index::Holder::Node(node_b),
+            &[kv_events::KvEvent::Stored {
+                keys: keys[..2].to_vec(),
+                parent: None,
+                tier: kv_events::Tier::Host,
+                lora: None,
+                token_count: 0,
+            }],
+        );
         let s = Sources {
             pool: "p".into(),
             picker: Arc::default(),
@@ -611,9 +651,10 @@ mod tests {
             router: None,
             kube: None,
             handoffs: None,
+            nodes: Some(Arc::clone(&nodes)),
         };
         let r = index_report(&s);
-        assert_eq!((r.blocks, r.residencies), (3, 3));
+        assert_eq!((r.blocks, r.residencies), (3, 5));
         let got: Vec<(&str, usize)> = r
             .endpoints
             .iter()
@@ -623,6 +664,10 @@ mod tests {
         let json = serde_json::to_string(&r).unwrap();
         assert!(
             json.contains(r#""pod":"sim-1","port":8000,"ready":true,"blocks":3"#),
+            "{json}"
+        );
+        assert!(
+            json.contains(r#""nodes":[{"node":"n-a","blocks":0},{"node":"n-b","blocks":2}]"#),
             "{json}"
         );
     }
@@ -645,6 +690,7 @@ mod tests {
             router: None,
             kube: Some(Arc::default()),
             handoffs: Some(Arc::new(crate::extproc::Handoffs::new(4))),
+            nodes: None,
         };
         let text = render(&s);
         for want in [
@@ -725,6 +771,7 @@ mod tests {
             router: Some(router),
             kube: None,
             handoffs: None,
+            nodes: None,
         };
         let text = render(&s);
         // Ready decode endpoints 1 and 2: (2 + 20) + (3 + 30); the unready one is left out.

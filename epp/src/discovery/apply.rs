@@ -30,6 +30,19 @@ impl NodeIds {
             .or_insert_with(|| NodeId::new(next).unwrap_or_else(|_| fallback_node()))
     }
 
+    /// Every node name seen, with its id, by name.
+    pub fn all(&self) -> Vec<(String, NodeId)> {
+        let mut all: Vec<(String, NodeId)> = self
+            .ids
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|(name, id)| (name.clone(), *id))
+            .collect();
+        all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
     /// The id of a node name seen before, without allocating one.
     pub fn get(&self, name: &str) -> Option<NodeId> {
         self.ids
