@@ -2,13 +2,14 @@
 //! open, two EPP replicas that Envoy health-checks, three engines behind their sidecars, NATS,
 //! the block manager) while one component at a time is crashed (SIGKILL) and restarted by the
 //! stack's supervisor, as `kvgate-bench up --supervise` does: an engine, a sidecar, NATS, one
-//! of the two EPP replicas, the block manager.
+//! of the two EPP replicas (kept down for 2 s first), the block manager.
 //!
 //! Asserted per crash: no failed request, except those in flight on a crashed sidecar (its
 //! streams die with it); the supervisor has the component back within 10 s; and within a few
 //! seconds of that the prefix hit rate is back within 2 points of the baseline (at least one
 //! window per crash). Once the load stops, the EPP's index holds for every engine exactly the
-//! distinct blocks the engine caches, in each replica: nothing stale, nothing missing. The figures are printed
+//! distinct blocks the engine caches, in each replica: nothing stale, nothing missing; and the
+//! block manager's node holds no more blocks there than the daemon's tiers do. The figures are printed
 //! (`--no-capture`) for docs/benchmarks.md.
 //!
 //! Longer version: `CHAOS_WINDOW_S=20 cargo test -p kvgate-e2e --test chaos -- --nocapture`.
@@ -28,6 +29,11 @@ use std::time::{Duration, Instant};
 
 use kvgate_e2e::stack::{Component, KvbmConfig, Stack, StackConfig, probe};
 use support::gateway::{Reply, post};
+
+/// The EPP replica crashed: replica 0 of two.
+const EPP_REPLICA: Component = Component::Epp;
+/// How long it stays down before the supervisor restarts it.
+const EPP_DOWN: Duration = Duration::from_secs(2);
 
 /// One request's outcome.
 struct Record {
@@ -144,8 +150,7 @@ fn crashing_each_component_under_load_loses_only_what_it_held() {
         Component::Engine(1),
         Component::Sidecar(1),
         Component::Nats,
-        // Replica 0 of two.
-        Component::Epp,
+        EPP_REPLICA,
         Component::Kvbm,
     ];
     let mut next = 2;
@@ -156,6 +161,13 @@ fn crashing_each_component_under_load_loses_only_what_it_held() {
         next += 1;
         let crashed = Instant::now();
         stack.crash(component).unwrap();
+        if component == EPP_REPLICA {
+            // Kept down a while, as a pod restarting takes seconds: long enough for Envoy's
+            // health checks to see it, and for the load to show whether the surviving
+            // replica routes what the dead one would have (a hit rate that holds) or the
+            // requests fail open (round robin, a hit rate that drops).
+            std::thread::sleep(EPP_DOWN);
+        }
         let mut restarted = None;
         while restarted.is_none() {
             assert!(
@@ -289,6 +301,13 @@ fn stale_index(stack: &Stack) -> Vec<String> {
                 &mut matched,
                 &mut mismatches,
             );
+            compare_node(
+                ports,
+                report.as_ref(),
+                &format!("replica {replica}"),
+                &mut matched,
+                &mut mismatches,
+            );
         }
         if mismatches.is_empty() {
             eprintln!(
@@ -343,5 +362,47 @@ fn compare_index(
                  caches {cached:?}"
             )),
         }
+    }
+}
+
+/// One replica's count for the block manager's node against the daemon's own tiers. A block
+/// may be in several tiers at once (Redis is written beside host memory), so the daemon's
+/// distinct blocks lie between its largest tier and the sum of its tiers; the index's count,
+/// one per block, must too. Blocks the daemon dropped (a crash empties host memory) and the
+/// index kept would push it past the sum.
+fn compare_node(
+    ports: &kvgate_e2e::stack::ports::Ports,
+    report: Option<&serde_json::Value>,
+    replica: &str,
+    matched: &mut Vec<String>,
+    mismatches: &mut Vec<String>,
+) {
+    let node = KvbmConfig::default().node;
+    let indexed = report.and_then(|r| {
+        r["nodes"]
+            .as_array()?
+            .iter()
+            .find(|n| n["node"] == node.as_str())?["blocks"]
+            .as_u64()
+    });
+    let page = probe::http_get(ports.kvbm_metrics, "/metrics", Duration::from_secs(2))
+        .map(|(_, body)| body)
+        .unwrap_or_default();
+    let tiers: Vec<f64> = ["host", "disk", "remote"]
+        .iter()
+        .filter_map(|t| probe::sample(&page, &format!("kvgate_kvbm_tier_blocks{{tier=\"{t}\"}}")))
+        .collect();
+    let (largest, sum) = (
+        tiers.iter().copied().fold(0.0, f64::max),
+        tiers.iter().sum::<f64>(),
+    );
+    match indexed {
+        Some(n) if !tiers.is_empty() && (largest..=sum).contains(&(n as f64)) => {
+            matched.push(format!("{replica}: node {node} {n} (tiers {tiers:?})"));
+        }
+        _ => mismatches.push(format!(
+            "{replica}, node {node}: the EPP's index holds {indexed:?} blocks, the daemon's \
+             tiers hold {tiers:?} (host, disk, remote)"
+        )),
     }
 }
