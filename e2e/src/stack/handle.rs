@@ -278,8 +278,9 @@ impl Stack {
         self.stop_all();
     }
 
-    /// Envoy, then the EPP replicas, then every sidecar at once (they drain in parallel), every engine,
-    /// the block manager (its `Cleared` goes out while NATS is up) and Redis, and NATS last.
+    /// Envoy, then the EPP replicas, then every sidecar at once (they drain in parallel), every
+    /// engine, the block manager (its `Cleared` goes out while NATS is up) and Redis, and NATS
+    /// last.
     fn stop_all(&mut self) {
         let tiers: [Vec<Component>; 7] = [
             vec![Component::Envoy, Component::Router],

@@ -76,6 +76,18 @@ pub const MAX_BODY_BYTES: u32 = 16 << 20;
 /// `/health`, admin paths) is answered 404 by Envoy.
 pub const ROUTED_PATHS: &[&str] = &["/v1/completions", "/v1/chat/completions", "/v1/models"];
 
+/// The pool cluster's circuit breakers. Envoy allows 3 retries in flight per cluster by
+/// default; past that a retry is refused (flag `UO`) and the client gets the engine's 502. When
+/// an engine dies under load every request in flight on it retries at once, so the budget is a
+/// share of the active requests instead, with a floor for small pools.
+const POOL_RETRY_BUDGET: &str = concat!(
+    "    circuit_breakers:\n",
+    "      thresholds:\n",
+    "      - retry_budget:\n",
+    "          budget_percent: { value: 50.0 }\n",
+    "          min_retry_concurrency: 64\n",
+);
+
 /// Envoy's bootstrap: one listener → (header-to-metadata for the subset hint, in tests) →
 /// ext_proc (the EPP, FULL_DUPLEX_STREAMED both ways; with fail-open the request body is
 /// BUFFERED, because Envoy 1.40 can only fail open before it has streamed a body chunk to the
@@ -95,11 +107,7 @@ pub fn envoy_yaml(config: &StackConfig, ports: &Ports) -> String {
             )
         })
         .collect();
-    // Envoy allows 3 retries in flight per cluster by default; past that a retry is refused
-    // (flag `UO`) and the client gets the engine's 502. When an engine dies under load, every
-    // request in flight on it retries at once, so the budget is a share of the active
-    // requests instead, with a floor for small pools.
-    let breakers = "    circuit_breakers:\n      thresholds:\n      - retry_budget: { budget_percent: { value: 50.0 }, min_retry_concurrency: 64 }\n";
+    let breakers = POOL_RETRY_BUDGET;
     let pool = match config.envoy_lb {
         EnvoyLb::OverrideHost => format!(
             r#"  - name: pool
