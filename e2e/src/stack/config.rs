@@ -249,6 +249,9 @@ impl StackConfig {
         if self.epp_replicas == 0 {
             return Err("epp replicas: at least 1".into());
         }
+        if self.epp_replicas > 1 && self.router != Router::EnvoyEpp {
+            return Err("epp replicas: a peer router runs in place of Envoy and the EPP".into());
+        }
         if self.envoy_lb == EnvoyLb::OriginalDst && self.scheduler.fallbacks != 0 {
             return Err(
                 "--envoy-lb original-dst follows one endpoint only: set fallbacks to 0".into(),
@@ -276,9 +279,7 @@ impl StackConfig {
 
     /// The EPP replicas' components: [`Component::Epp`], then `EppReplica(1..)`.
     pub fn epps(&self) -> Vec<Component> {
-        std::iter::once(Component::Epp)
-            .chain((1..self.epp_replicas).map(Component::EppReplica))
-            .collect()
+        (0..self.epp_replicas.max(1)).map(Component::epp).collect()
     }
 
     /// Engine processes: one per data-parallel rank of each pod, pod-major
@@ -326,6 +327,15 @@ pub enum Component {
 }
 
 impl Component {
+    /// EPP replica `i` of the local stack: [`Component::Epp`] for 0.
+    pub fn epp(i: usize) -> Component {
+        if i == 0 {
+            Component::Epp
+        } else {
+            Component::EppReplica(i)
+        }
+    }
+
     /// The EPP replica this component is, if it is one.
     pub fn epp_replica(self) -> Option<usize> {
         match self {

@@ -104,7 +104,7 @@ impl Stack {
         self.procs.contains_key(&component)
     }
 
-    /// The EPP's `/metrics` page.
+    /// The (first) EPP's `/metrics` page; replica `i`'s is on `ports().epp(i)`.
     pub fn epp_metrics(&self) -> std::io::Result<String> {
         page(self.ports.epp_metrics, "/metrics")
     }

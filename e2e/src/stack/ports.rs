@@ -64,9 +64,9 @@ const PER_EPP: usize = 3;
 
 impl Ports {
     /// Distinct free loopback ports for a stack of `engines` engine pods of `dp_ranks` ranks
-    /// each and `epp_replicas` EPPs (at least one is laid out). All listeners are held until every port is chosen, so no two coincide; another
-    /// process may still take one before its component binds it (the component then fails
-    /// readiness with its log).
+    /// each and `epp_replicas` EPPs (at least one is laid out). All listeners are held until
+    /// every port is chosen, so no two coincide; another process may still take one before
+    /// its component binds it (the component then fails readiness with its log).
     pub fn allocate(engines: usize, dp_ranks: u16, epp_replicas: usize) -> std::io::Result<Ports> {
         let more_epps = epp_replicas.saturating_sub(1);
         let engine_end = FIXED + PER_ENGINE * engines;

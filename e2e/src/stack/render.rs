@@ -244,8 +244,9 @@ static_resources:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
   clusters:
 {pool}  # The EPP replicas, active-active. Each is health-checked over gRPC on its health port (the
-  # ext_proc service's status follows the EPP's readiness), so a replica that dies or is not
-  # ready stops getting streams within about a second; until then its streams fail (open or
+  # ext_proc service's status follows the EPP's readiness) every 250 ms, one failure (a refused
+  # connection, NOT_SERVING, or no answer within 1 s) taking it out, so a replica that dies or
+  # is not ready stops getting streams within about 250 ms; until then its streams fail (open or
   # closed, as the filter says). A stream in flight on a replica that dies is lost.
   - name: ext_proc
     type: STATIC
@@ -256,7 +257,7 @@ static_resources:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config: {{ http2_protocol_options: {{}} }}
     health_checks:
-    - timeout: 0.25s
+    - timeout: 1s
       interval: 0.25s
       no_traffic_interval: 0.25s
       unhealthy_threshold: 1

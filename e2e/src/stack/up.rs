@@ -107,7 +107,8 @@ pub struct UpArgs {
     pub supervise: bool,
     /// EPP replicas, active-active: each builds its own index from the same KV events. In the
     /// local stack Envoy health-checks them over gRPC and stops sending to one that is down;
-    /// with --kube the chart's Deployment runs them.
+    /// with --kube the chart's Deployment runs them. Not with --router (a peer router runs in
+    /// place of Envoy and the EPP).
     #[arg(long, default_value_t = 1)]
     pub epp_replicas: usize,
     /// Send the EPP's and the sidecars' request traces to this OTLP/gRPC collector (e.g.
