@@ -55,6 +55,16 @@ impl NodeId {
         }
     }
 
+    /// A node id, [`MAX_ID`] for anything above it: for allocators that count names and
+    /// would rather share the last id than fail.
+    pub const fn saturating(raw: u32) -> Self {
+        if raw > MAX_ID {
+            Self(MAX_ID)
+        } else {
+            Self(raw)
+        }
+    }
+
     /// The raw id.
     pub const fn get(self) -> u32 {
         self.0
@@ -119,5 +129,12 @@ mod tests {
         }
         assert_eq!(EndpointId::new(MAX_ID + 1), Err(IdOutOfRange(MAX_ID + 1)));
         assert!(NodeId::new(u32::MAX).is_err());
+    }
+
+    #[test]
+    fn saturating_node_ids_stop_at_the_largest() {
+        assert_eq!(NodeId::saturating(5).get(), 5);
+        assert_eq!(NodeId::saturating(MAX_ID).get(), MAX_ID);
+        assert_eq!(NodeId::saturating(u32::MAX).get(), MAX_ID);
     }
 }

@@ -23,11 +23,10 @@ impl NodeIds {
             .ids
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let next = u32::try_from(ids.len())
-            .unwrap_or(kv_index::MAX_ID)
-            .min(kv_index::MAX_ID);
+        // Past 2^31 names (never, in practice) the last id is shared.
+        let next = u32::try_from(ids.len()).unwrap_or(u32::MAX);
         *ids.entry(name.to_owned())
-            .or_insert_with(|| NodeId::new(next).unwrap_or_else(|_| fallback_node()))
+            .or_insert_with(|| NodeId::saturating(next))
     }
 
     /// Every node name seen, with its id, by name.
@@ -51,10 +50,6 @@ impl NodeIds {
             .get(name)
             .copied()
     }
-}
-
-fn fallback_node() -> NodeId {
-    NodeId::new(0).unwrap_or_else(|_| fallback_node())
 }
 
 /// The shared routing state a discovery update touches.
