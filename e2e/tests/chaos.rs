@@ -198,9 +198,9 @@ fn crashing_each_component_under_load_loses_only_what_it_held() {
         stack.crash(component).unwrap();
         if component == EPP_REPLICA {
             // Kept down a while, as a pod restarting takes seconds: long enough for the load
-            // to show whether the surviving replica routes what the dead one would have (a hit
-            // rate that holds) or the requests fail open (round robin, a hit rate that drops).
-            // Envoy must take the dead replica out of the ext_proc cluster meanwhile.
+            // to show whether the surviving replica picks what the dead one would have, or
+            // the requests fail open (no pick; counted below). Envoy must take the dead
+            // replica out of the ext_proc cluster meanwhile.
             let seen = wait_for_gauge(&stack, EXT_PROC_HEALTHY, 1, EPP_DOWN);
             match seen {
                 Some(after) => eprintln!(
@@ -319,7 +319,12 @@ fn crashing_each_component_under_load_loses_only_what_it_held() {
                 "{component}: {open} of the {} requests overlapping its outage failed open",
                 during.len()
             );
-            if during.len() < 20 || open * 5 > during.len() {
+            if during.len() < 20 {
+                problems.push(format!(
+                    "{component}: only {} requests overlapped its outage; too few to tell",
+                    during.len()
+                ));
+            } else if open * 5 > during.len() {
                 problems.push(format!(
                     "{component}: {open} of the {} requests overlapping its outage failed open \
                      (allowed: a fifth): the other replica did not take them",
@@ -402,6 +407,16 @@ fn stale_index(stack: &Stack) -> Vec<String> {
     }
 }
 
+/// `blocks` of the entry of `report[list]` whose `key` is `name`.
+fn reported_blocks(
+    report: Option<&serde_json::Value>,
+    list: &str,
+    key: &str,
+    name: &str,
+) -> Option<u64> {
+    report?[list].as_array()?.iter().find(|e| e[key] == name)?["blocks"].as_u64()
+}
+
 /// One replica's `/debug/index` report against the engines' own counts.
 fn compare_index(
     ports: &kvgate_e2e::stack::ports::Ports,
@@ -413,13 +428,7 @@ fn compare_index(
 ) {
     for i in 0..engines {
         let pod = Component::pod_name(i);
-        let indexed = report.and_then(|r| {
-            r["endpoints"]
-                .as_array()?
-                .iter()
-                .find(|e| e["pod"] == pod.as_str())?["blocks"]
-                .as_u64()
-        });
+        let indexed = reported_blocks(report, "endpoints", "pod", &pod);
         let page = ports
             .engine_http(i)
             .and_then(|p| probe::http_get(p, "/metrics", Duration::from_secs(2)).ok())
@@ -457,14 +466,7 @@ fn compare_node(
     matched: &mut Vec<String>,
     mismatches: &mut Vec<String>,
 ) {
-    let node = node.to_owned();
-    let indexed = report.and_then(|r| {
-        r["nodes"]
-            .as_array()?
-            .iter()
-            .find(|n| n["node"] == node.as_str())?["blocks"]
-            .as_u64()
-    });
+    let indexed = reported_blocks(report, "nodes", "node", node);
     let page = probe::http_get(ports.kvbm_metrics, "/metrics", Duration::from_secs(2))
         .map(|(_, body)| body)
         .unwrap_or_default();
