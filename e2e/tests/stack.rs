@@ -1213,3 +1213,65 @@ fn a_request_is_one_trace_from_the_caller_through_the_epp_and_the_sidecar() {
         );
     }
 }
+
+/// One RESP command to a Redis at `port`; its reply, whole.
+fn redis(stream: &mut std::net::TcpStream, args: &[&[u8]]) -> Vec<u8> {
+    use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        out.extend(format!("${}\r\n", a.len()).as_bytes());
+        out.extend(*a);
+        out.extend(b"\r\n");
+    }
+    stream.write_all(&out).unwrap();
+    let mut reader = BufReader::new(stream);
+    let mut head = String::new();
+    reader.read_line(&mut head).unwrap();
+    match head.strip_prefix('$') {
+        Some(len) => {
+            let mut body = vec![0; len.trim().parse::<usize>().unwrap() + 2];
+            reader.read_exact(&mut body).unwrap();
+            body.truncate(body.len() - 2);
+            body
+        }
+        None => head.into_bytes(),
+    }
+}
+
+#[test]
+fn the_stacks_redis_holds_the_whole_remote_budget_without_evicting() {
+    // The block manager owns the remote budget: the stack's Redis must never drop a block the
+    // daemon still indexes (it would count as lost and trip KvgateKVBMLostBlocks). Power-of-two
+    // blocks are the worst case for the allocator's size classes.
+    let remote: u64 = 64 << 20;
+    let port = support::free_port();
+    let mut server = std::process::Command::new("redis-server")
+        .args(kvgate_e2e::stack::render::redis_args(port, remote))
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server is not on the PATH: scripts/bootstrap.sh installs it");
+    let mut stream = None;
+    wait_for("redis-server", Duration::from_secs(10), || {
+        stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok();
+        stream.is_some()
+    });
+    let mut stream = stream.unwrap();
+    for block in [2u64 << 20, 16 << 10] {
+        let value = vec![7u8; block as usize];
+        for i in 0..remote / block {
+            let key = format!("kvgate:kvbm:{block}:{i}");
+            let reply = redis(&mut stream, &[b"SET", key.as_bytes(), &value]);
+            assert_eq!(reply, b"+OK\r\n", "SET {key}");
+        }
+        let stats = String::from_utf8(redis(&mut stream, &[b"INFO", b"stats"])).unwrap();
+        let memory = String::from_utf8(redis(&mut stream, &[b"INFO", b"memory"])).unwrap();
+        let used = memory.lines().find(|l| l.starts_with("used_memory:"));
+        assert!(
+            stats.lines().any(|l| l == "evicted_keys:0"),
+            "{block}-byte blocks: Redis evicted keys within the budget ({used:?})"
+        );
+        assert_eq!(redis(&mut stream, &[b"FLUSHALL"]), b"+OK\r\n");
+    }
+    server.kill().unwrap();
+    server.wait().unwrap();
+}

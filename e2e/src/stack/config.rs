@@ -173,7 +173,8 @@ pub struct KvbmConfig {
     pub host_bytes: u64,
     /// Disk tier bytes (in `kvbm-disk/` of the run directory); 0: no disk tier.
     pub disk_bytes: u64,
-    /// Bytes the node may keep in Redis (Redis's own `maxmemory` is set a quarter above).
+    /// Bytes the node may keep in Redis (Redis's own `maxmemory` is set half again above,
+    /// see [`redis_maxmemory`](super::render::redis_maxmemory)).
     pub remote_bytes: u64,
 }
 

@@ -370,20 +370,7 @@ impl Stack {
                 let remote = c.kvbm.as_ref().map_or(0, |k| k.remote_bytes);
                 (
                     self.bins.kvbm.clone().map(|b| b.1).unwrap_or_default(),
-                    strings(&[
-                        "--port",
-                        &self.ports.redis.to_string(),
-                        "--bind",
-                        "127.0.0.1",
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                        "--maxmemory",
-                        &(remote + remote / 4).max(1 << 20).to_string(),
-                        "--maxmemory-policy",
-                        "allkeys-lru",
-                    ]),
+                    render::redis_args(self.ports.redis, remote),
                     vec![],
                 )
             }

@@ -6,6 +6,42 @@ use std::fmt::Write as _;
 use super::config::{Component, EnvoyLb, KvEventsPath, StackConfig};
 use super::ports::Ports;
 
+/// The command line of the stack's Redis, the block manager's remote tier: on loopback, no
+/// persistence, and a `maxmemory` with `allkeys-lru` that holds the block manager's whole
+/// `remote_bytes` without evicting (see [`redis_maxmemory`]), so it only ages out copies no
+/// daemon indexes any more.
+pub fn redis_args(port: u16, remote_bytes: u64) -> Vec<String> {
+    [
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--maxmemory",
+        &redis_maxmemory(remote_bytes).to_string(),
+        "--maxmemory-policy",
+        "allkeys-lru",
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+/// Redis's `maxmemory` for a block manager that keeps up to `remote_bytes` of blocks in it.
+/// Redis counts what its allocator hands out, not the values' lengths: jemalloc rounds a large
+/// allocation up to a size class a quarter of a power of two apart, so a power-of-two block
+/// (2 MiB for a 16-token Llama-3.1-8B block) plus its string header costs 1.25 times its
+/// length. Half again above the budget leaves room for that, for the request buffer of a
+/// `SET` in flight and for Redis's own baseline; a quarter above, Redis evicted 2 of 32
+/// 2-MiB blocks at 64 MiB.
+pub fn redis_maxmemory(remote_bytes: u64) -> u64 {
+    remote_bytes
+        .saturating_add(remote_bytes / 2)
+        .saturating_add(16 << 20)
+}
+
 /// The EPP's file-discovery document: one entry per engine pod, named by its pod, listing its
 /// sidecar's proxy port + rank for each data-parallel rank (the addresses the sidecar stamps
 /// into its envelopes' `Source`). `live[i]` false leaves pod `i` out.
