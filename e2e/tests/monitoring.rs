@@ -1104,8 +1104,16 @@ fn every_dashboard_panel_has_data_while_the_stack_serves_load() {
     );
     assert!(
         alerting.is_empty(),
-        "alert expressions true on a healthy stack:\n{}",
-        alerting.join("\n")
+        "alert expressions true on a healthy stack:\n{}\nthe block manager's write path:\n{}",
+        alerting.join("\n"),
+        stack.kvbm_metrics().map_or_else(
+            |e| e.to_string(),
+            |m| m
+                .lines()
+                .filter(|l| l.starts_with("kvgate_kvbm_write") || l.starts_with("kvgate_kvbm_lost"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        )
     );
     drop(prometheus);
     drop(operator);

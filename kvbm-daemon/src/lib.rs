@@ -32,6 +32,7 @@ mod held;
 pub mod metrics;
 pub mod nats;
 pub mod outbox;
+mod pending;
 pub mod protocol;
 pub mod ratelimit;
 pub mod remote;

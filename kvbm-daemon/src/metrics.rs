@@ -31,6 +31,8 @@ pub struct WriteCounters {
     pub done: AtomicU64,
     /// Writes dropped because the queue was full.
     pub dropped: AtomicU64,
+    /// Queued puts skipped because a later delete of the block superseded them.
+    pub superseded: AtomicU64,
 }
 
 /// Counters and gauges the edges update.
@@ -340,6 +342,16 @@ impl Metrics {
             Kind::Counter,
             "Lower-tier writes dropped because the tier's write queue was full.",
             &[("disk", get(&wd.dropped)), ("remote", get(&wr.dropped))],
+        );
+        by_tier(
+            &mut e,
+            "kvgate_kvbm_write_superseded_total",
+            Kind::Counter,
+            "Queued lower-tier puts skipped because the block left the tier before its write ran (the delete queued behind them removes any earlier copy).",
+            &[
+                ("disk", get(&wd.superseded)),
+                ("remote", get(&wr.superseded)),
+            ],
         );
         e.family(
             "kvgate_kvbm_tier_errors_total",

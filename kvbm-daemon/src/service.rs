@@ -31,6 +31,7 @@ use tokio::sync::{Notify, mpsc};
 use crate::disk::{DiskDir, DiskError, block_file_name};
 use crate::metrics::Metrics;
 use crate::outbox::{Group, Outbox};
+use crate::pending::Pending;
 use crate::remote::Remote;
 use crate::store::{
     BlockId, BlockStore, Effect, Found, Layout, LayoutId, Lookup, Offloaded, StoreError,
@@ -109,16 +110,6 @@ struct State {
 /// been away; receivers resynchronise from a snapshot either way).
 const MAX_PENDING_KEYS: usize = 1 << 20;
 
-/// Writes not yet done: readable by onboards meanwhile. Per name, the latest bytes and how
-/// many puts of it are queued (a block can be demoted again before its first put ran), and
-/// the totals the queue's bounds apply to.
-#[derive(Default)]
-struct Pending {
-    puts: HashMap<String, (Bytes, u32)>,
-    ops: usize,
-    bytes: u64,
-}
-
 /// One lower tier's write queue. Puts are bounded (in operations and bytes); deletes are not
 /// dropped, or their files and keys would outlive the index: there are at most as many as
 /// blocks the tier ever held beyond what it holds now, each a short name.
@@ -146,7 +137,7 @@ impl WriteQueue {
     }
 
     fn queued(&self, name: &str) -> Option<Bytes> {
-        self.pending().puts.get(name).map(|(d, _)| d.clone())
+        self.pending().readable(name)
     }
 }
 
@@ -624,19 +615,9 @@ impl Service {
         let (Some(q), Some(counters)) = (self.queue(tier), self.metrics.writes(tier)) else {
             return false;
         };
-        let len = data.len() as u64;
-        {
-            let mut p = q.pending();
-            if p.ops >= q.bounds.ops || p.bytes + len > q.bounds.bytes {
-                drop(p);
-                counters.dropped.fetch_add(1, Ordering::Relaxed);
-                return false;
-            }
-            p.ops += 1;
-            p.bytes += len;
-            let entry = p.puts.entry(name.clone()).or_insert((data.clone(), 0));
-            entry.0 = data.clone();
-            entry.1 += 1;
+        if !q.pending().push(&name, &data, q.bounds.ops, q.bounds.bytes) {
+            counters.dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
         }
         // Fails only once the writer is gone.
         if q.tx
@@ -647,15 +628,25 @@ impl Service {
             })
             .is_err()
         {
-            self.put_done(tier, &name);
+            q.pending().unsent(&name);
             counters.dropped.fetch_add(1, Ordering::Relaxed);
             return false;
         }
         true
     }
 
+    /// Queues a delete of `name`; the puts of it still queued are superseded (the writer skips
+    /// them: the delete would remove what they wrote).
     fn queue_delete(&self, tier: Tier, name: String) {
         let Some(q) = self.queue(tier) else { return };
+        let superseded = q.pending().supersede(&name);
+        if superseded > 0
+            && let Some(counters) = self.metrics.writes(tier)
+        {
+            counters
+                .superseded
+                .fetch_add(u64::from(superseded), Ordering::Relaxed);
+        }
         // Fails only once the writer is gone.
         if q.tx.send(WriteOp::Delete { name }).is_err()
             && let Some(counters) = self.metrics.writes(tier)
@@ -664,28 +655,26 @@ impl Service {
         }
     }
 
-    /// A queued put is done (written, failed or dropped): it is no longer readable from the
+    /// The writer of `tier` took `op` from its queue: whether to perform it (false for a put
+    /// a later delete superseded).
+    fn take(&self, tier: Tier, op: &WriteOp) -> bool {
+        match (op, self.queue(tier)) {
+            (WriteOp::Put { name, .. }, Some(q)) => q.pending().take(name),
+            _ => true,
+        }
+    }
+
+    /// A put the writer took is done (written or failed): it is no longer readable from the
     /// queue.
     fn put_done(&self, tier: Tier, name: &str) {
-        let Some(q) = self.queue(tier) else {
-            return;
-        };
-        let mut p = q.pending();
-        let Some((data, count)) = p.puts.get_mut(name) else {
-            return;
-        };
-        let len = data.len() as u64;
-        *count -= 1;
-        if *count == 0 {
-            p.puts.remove(name);
+        if let Some(q) = self.queue(tier) {
+            q.pending().done(name);
         }
-        p.ops = p.ops.saturating_sub(1);
-        p.bytes = p.bytes.saturating_sub(len);
     }
 
     /// Block bytes queued per lower tier (disk, remote).
     pub fn queued_bytes(&self) -> [u64; 2] {
-        [Tier::Disk, Tier::Remote].map(|t| self.queue(t).map_or(0, |q| q.pending().bytes))
+        [Tier::Disk, Tier::Remote].map(|t| self.queue(t).map_or(0, |q| q.pending().bytes()))
     }
 
     /// Seals pending events into the sealed channel.
@@ -819,16 +808,22 @@ pub async fn remote_writer(
                 None => return,
             },
         };
+        if !service.take(Tier::Remote, &first) {
+            continue;
+        }
         let mut names = std::collections::HashSet::new();
         names.insert(first.name().to_owned());
         let mut batch = vec![first];
         while batch.len() < REMOTE_IN_FLIGHT {
             let Ok(op) = rx.try_recv() else { break };
-            if !names.insert(op.name().to_owned()) {
+            if names.contains(op.name()) {
                 carry = Some(op);
                 break;
             }
-            batch.push(op);
+            if service.take(Tier::Remote, &op) {
+                names.insert(op.name().to_owned());
+                batch.push(op);
+            }
         }
         let mut running = tokio::task::JoinSet::new();
         for op in batch {
@@ -863,6 +858,9 @@ async fn remote_write(service: &Service, remote: &Remote, op: WriteOp) {
 /// the service holds the queue's sender). Blocking: run it on a thread of its own.
 pub fn disk_writer(service: &Service, disk: &DiskDir, mut rx: mpsc::UnboundedReceiver<WriteOp>) {
     while let Some(op) = rx.blocking_recv() {
+        if !service.take(Tier::Disk, &op) {
+            continue;
+        }
         match op {
             WriteOp::Put { id, name, data } => {
                 let r = disk.write(&name, &data);
@@ -1074,7 +1072,9 @@ mod tests {
         // Once the put is done (and the tier still misses), the miss forgets the block and
         // queues a delete of its name.
         let mut rx = parts.disk.take().unwrap();
-        while rx.try_recv().is_ok() {}
+        while let Ok(op) = rx.try_recv() {
+            assert!(s.take(Tier::Disk, &op), "nothing superseded");
+        }
         s.put_done(Tier::Disk, &name);
         assert_eq!(s.missed(Tier::Disk, id, &name, B).unwrap(), None);
         assert_eq!(
@@ -1117,6 +1117,44 @@ mod tests {
         );
         assert!(
             text.contains("kvgate_kvbm_tier_errors_total{tier=\"disk\",op=\"write\""),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn puts_a_later_delete_supersedes_are_skipped_and_free_their_room() {
+        let dir = TempDir::new("supersede");
+        let disk = Arc::new(DiskDir::open(&dir.0, crate::disk::DirectIo::Off).unwrap());
+        let backends = Backends {
+            disk: Some(disk),
+            remote: None,
+        };
+        let (mut parts, l) = start(2, backends, 1 << 20);
+        let s = Arc::clone(&parts.service);
+        // Six blocks through two host and two disk slots while the writer is stalled: four
+        // are demoted, and the first two leave the disk again before their puts ran.
+        s.offload(l, None, &blocks(&[1, 2, 3, 4, 5, 6])).unwrap();
+        assert_eq!(s.queued_bytes(), [2 * B, 0], "superseded puts hold no room");
+        let mut rx = parts.disk.take().unwrap();
+        let (mut written, mut deleted) = (Vec::new(), Vec::new());
+        while let Ok(op) = rx.try_recv() {
+            let take = s.take(Tier::Disk, &op);
+            match op {
+                WriteOp::Put { name, .. } if take => written.push(name),
+                WriteOp::Put { .. } => {}
+                WriteOp::Delete { name } => deleted.push(name),
+            }
+        }
+        let names = |keys: &[u64]| -> Vec<String> {
+            keys.iter()
+                .map(|k| block_file_name(layout().fingerprint(), BlockKey(*k)))
+                .collect()
+        };
+        assert_eq!(written, names(&[3, 4]), "only the blocks the disk holds");
+        assert_eq!(deleted, names(&[1, 2]), "the deletes still run");
+        let text = s.with_store(|st| s.metrics().render(st, s.queued_bytes()));
+        assert!(
+            text.contains("kvgate_kvbm_write_superseded_total{tier=\"disk\"} 2"),
             "{text}"
         );
     }
