@@ -9,8 +9,8 @@
 //! seconds of that the prefix hit rate is back within 2 points of the baseline (at least one
 //! window per crash). Once the load stops, the EPP's index holds for every engine exactly the
 //! distinct blocks the engine caches, in each replica: nothing stale, nothing missing; and the
-//! block manager's node holds between the daemon's largest tier and the sum of its tiers (the
-//! daemon exports no distinct count, and a block may be in host memory and Redis at once).
+//! block manager's node holds exactly the distinct blocks the daemon holds in any tier
+//! (`kvgate_kvbm_blocks`; a block may be in host memory and Redis at once).
 //! While the EPP replica is down (2 s), Envoy must take it out of the ext_proc cluster, and at
 //! most a fifth of the requests may fail open (route without a pick): the other replica takes
 //! the rest. No retry may be refused by the pool's circuit breaker. The figures are printed
@@ -453,11 +453,11 @@ fn compare_index(
     }
 }
 
-/// One replica's count for the block manager's node against the daemon's own tiers. A block
-/// may be in several tiers at once (Redis is written beside host memory), so the daemon's
-/// distinct blocks lie between its largest tier and the sum of its tiers; the index's count,
-/// one per block, must too. Blocks the daemon dropped (a crash empties host memory) and the
-/// index kept would push it past the sum.
+/// One replica's count for the block manager's node against the daemon's own count of the
+/// distinct blocks it holds (`kvgate_kvbm_blocks`: a block in host memory and in Redis counts
+/// once, as in the index). The engines share one layout, so a block is one key. Blocks the
+/// daemon dropped (a crash empties host memory) and the index kept, or blocks it holds and the
+/// index missed, make them differ.
 fn compare_node(
     ports: &kvgate_e2e::stack::ports::Ports,
     node: &str,
@@ -470,21 +470,18 @@ fn compare_node(
     let page = probe::http_get(ports.kvbm_metrics, "/metrics", Duration::from_secs(2))
         .map(|(_, body)| body)
         .unwrap_or_default();
+    let held = probe::sample(&page, "kvgate_kvbm_blocks");
     let tiers: Vec<f64> = ["host", "disk", "remote"]
         .iter()
         .filter_map(|t| probe::sample(&page, &format!("kvgate_kvbm_tier_blocks{{tier=\"{t}\"}}")))
         .collect();
-    let (largest, sum) = (
-        tiers.iter().copied().fold(0.0, f64::max),
-        tiers.iter().sum::<f64>(),
-    );
-    match indexed {
-        Some(n) if !tiers.is_empty() && (largest..=sum).contains(&(n as f64)) => {
+    match (indexed, held) {
+        (Some(n), Some(h)) if n as f64 == h => {
             matched.push(format!("{replica}: node {node} {n} (tiers {tiers:?})"));
         }
         _ => mismatches.push(format!(
-            "{replica}, node {node}: the EPP's index holds {indexed:?} blocks, the daemon's \
-             tiers hold {tiers:?} (host, disk, remote)"
+            "{replica}, node {node}: the EPP's index holds {indexed:?} blocks, the daemon \
+             {held:?} (its tiers {tiers:?}: host, disk, remote)"
         )),
     }
 }

@@ -232,6 +232,13 @@ impl Metrics {
             "Byte budget per tier (0: disabled).",
             &of(|u| u.capacity),
         );
+        e.single(
+            "kvgate_kvbm_blocks",
+            Kind::Gauge,
+            "Distinct blocks held in any tier (a block in host memory and in a lower tier counts once).",
+            &[],
+            store.distinct_blocks() as f64,
+        );
         let c = store.counters();
         let (d, r) = (c.disk, c.remote);
         by_tier(

@@ -973,6 +973,19 @@ impl BlockStore {
         }
     }
 
+    /// Blocks held in at least one tier, each counted once (a block can be in host memory and
+    /// in a lower tier at once). O(blocks in the lower tiers): for a scrape, not a hot path.
+    pub fn distinct_blocks(&self) -> u64 {
+        let [disk, remote] = &self.lower;
+        let disk_only = disk.set.ids().filter(|id| !self.host.contains(id)).count();
+        let remote_only = remote
+            .set
+            .ids()
+            .filter(|id| !self.host.contains(id) && !disk.set.contains(id))
+            .count();
+        (self.host.len() + disk_only + remote_only) as u64
+    }
+
     /// Counters since start.
     pub fn counters(&self) -> StoreCounters {
         let of = |tier| self.lower(tier).map(|l| l.counters).unwrap_or_default();
