@@ -1245,11 +1245,21 @@ fn the_stacks_redis_holds_the_whole_remote_budget_without_evicting() {
     // blocks are the worst case for the allocator's size classes.
     let remote: u64 = 64 << 20;
     let port = support::free_port();
-    let mut server = std::process::Command::new("redis-server")
-        .args(kvgate_e2e::stack::render::redis_args(port, remote))
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("redis-server is not on the PATH: scripts/bootstrap.sh installs it");
+    // Killed on drop, so a failed assertion leaves no server behind.
+    struct Server(std::process::Child);
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _server = Server(
+        std::process::Command::new("redis-server")
+            .args(kvgate_e2e::stack::render::redis_args(port, remote))
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server is not on the PATH: scripts/bootstrap.sh installs it"),
+    );
     let mut stream = None;
     wait_for("redis-server", Duration::from_secs(10), || {
         stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok();
@@ -1272,6 +1282,4 @@ fn the_stacks_redis_holds_the_whole_remote_budget_without_evicting() {
         );
         assert_eq!(redis(&mut stream, &[b"FLUSHALL"]), b"+OK\r\n");
     }
-    server.kill().unwrap();
-    server.wait().unwrap();
 }

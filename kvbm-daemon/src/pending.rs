@@ -93,25 +93,20 @@ impl Pending {
 
     /// A put of `name` the writer took is done (written or failed).
     pub(crate) fn done(&mut self, name: &str) {
-        let Some(e) = self.puts.get_mut(name) else {
-            return;
-        };
-        if e.writing == 0 {
-            return;
-        }
-        e.writing -= 1;
-        self.release(name, 1);
+        self.forget_one(name, |e| &mut e.writing);
     }
 
     /// A put of `name` recorded by [`Pending::push`] was never sent (the writer is gone).
     pub(crate) fn unsent(&mut self, name: &str) {
-        let Some(e) = self.puts.get_mut(name) else {
+        self.forget_one(name, |e| &mut e.queued);
+    }
+
+    /// Takes one put of `name` off the count `which` picks, if it has one, and frees its room.
+    fn forget_one(&mut self, name: &str, which: fn(&mut Entry) -> &mut u32) {
+        let Some(count) = self.puts.get_mut(name).map(which).filter(|c| **c > 0) else {
             return;
         };
-        if e.queued == 0 {
-            return;
-        }
-        e.queued -= 1;
+        *count -= 1;
         self.release(name, 1);
     }
 
