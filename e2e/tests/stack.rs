@@ -1149,6 +1149,103 @@ fn streams_in_flight_survive_the_epps_death() {
     }
 }
 
+/// With two EPP replicas behind one Envoy, a request's routing and observer streams often reach
+/// different replicas; the observer relays the response's events over NATS to the replica that
+/// routed it. Every request is reported where it was routed (time to first token, end), none
+/// waits to expire, and a rewritten model's name is swapped back whichever replica observes.
+#[test]
+fn two_epp_replicas_report_each_response_where_it_was_routed() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let stack = start(StackConfig {
+        engines: 2,
+        epp_replicas: 2,
+        ..StackConfig::default()
+    });
+    const REQUESTS: usize = 40;
+    let port = stack.ports().envoy_listen;
+    let senders: Vec<_> = (0..4)
+        .map(|t| {
+            std::thread::spawn(move || {
+                (0..REQUESTS / 4)
+                    .map(|i| {
+                        let stream = i % 2 == 0;
+                        let mut body = chat(&format!("relay {t}-{i}"), "hi", 4, stream);
+                        body["model"] = "alias".into();
+                        let r = post(
+                            port,
+                            "/v1/chat/completions",
+                            &[("x-gateway-model-name-rewrite", "m")],
+                            &body,
+                        );
+                        (stream, r)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for (stream, r) in senders.into_iter().flat_map(|s| s.join().unwrap()) {
+        assert!(r.ok(), "{r:?}");
+        if stream {
+            assert!(r.body.contains("\"model\":\"alias\""), "{r:?}");
+            assert!(!r.body.contains("\"model\":\"m\""), "{r:?}");
+        } else {
+            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+            assert_eq!(v["model"], "alias", "{r:?}");
+        }
+    }
+    let pages = || -> Vec<String> {
+        (0..2)
+            .map(|i| {
+                let port = stack.ports().epp(i).unwrap().metrics;
+                probe::http_get(port, "/metrics", Duration::from_secs(2))
+                    .unwrap()
+                    .1
+            })
+            .collect()
+    };
+    let outcome = |pages: &[String], outcome: &str| -> f64 {
+        let label = format!("outcome=\"{outcome}\"");
+        pages
+            .iter()
+            .flat_map(|p| p.lines())
+            .filter(|l| l.starts_with("kvgate_epp_response_handoffs_total{") && l.contains(&label))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum()
+    };
+    let sum = |pages: &[String], name: &str| -> f64 {
+        pages
+            .iter()
+            .map(|p| probe::metric_sum(p, name).unwrap_or_default())
+            .sum()
+    };
+    let mut last = Vec::new();
+    let settled = (0..50).any(|_| {
+        last = pages();
+        let reported = sum(&last, "inference_objective_request_ttft_seconds_count");
+        let running = sum(&last, "inference_objective_running_requests");
+        if reported >= REQUESTS as f64 && running == 0.0 {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        false
+    });
+    assert!(settled, "responses not all reported:\n{}", last.join("\n"));
+    let local = outcome(&last, "claimed");
+    let relayed_in = outcome(&last, "relayed_in");
+    let relayed_out = outcome(&last, "relayed_out");
+    eprintln!("observed where routed: {local}; relayed: {relayed_in} in, {relayed_out} out");
+    assert_eq!(local + relayed_in, REQUESTS as f64, "{}", last.join("\n"));
+    assert_eq!(relayed_in, relayed_out);
+    assert!(
+        relayed_in > 0.0,
+        "no observer stream reached the other replica"
+    );
+    for gone in ["expired", "unmatched", "relay_lost", "relay_unmatched"] {
+        assert_eq!(outcome(&last, gone), 0.0, "{gone}:\n{}", last.join("\n"));
+    }
+    finish(stack);
+}
+
 #[test]
 fn a_request_is_one_trace_from_the_caller_through_the_epp_and_the_sidecar() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());

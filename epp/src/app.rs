@@ -15,7 +15,10 @@ use crate::discovery::apply::{NodeIds, Targets, apply};
 use crate::discovery::file::{FileWatch, Parsed, parse};
 use crate::discovery::kubernetes::{KubeDiscovery, PoolGroup, WatchConfig};
 use crate::discovery::{Datastore, Wake};
-use crate::ingest::nats::{NatsConfig, NatsIngest, SharingConfig, random_replica_id};
+use crate::extproc::{Handoffs, Relay};
+use crate::ingest::nats::{
+    NatsConfig, NatsIngest, RelayConfig, SharingConfig, random_replica_id, relay_queue,
+};
 use crate::ingest::zmq_direct::{DirectSource, Ingester};
 use crate::routing::keys::{Keyer, ModelTokenizer};
 use crate::routing::picker::Picker;
@@ -67,6 +70,8 @@ struct State {
 /// Most tickets parked for a response observer at once (each is claimed within milliseconds,
 /// or aborted within two seconds).
 const HANDOFF_CAPACITY: usize = 1 << 16;
+/// Most relayed items queued for publishing (a few per request; drained continuously).
+const RELAY_QUEUE: usize = 1 << 16;
 
 /// Runs the EPP until a shutdown signal.
 pub fn run(args: Args) -> Result<(), AppError> {
@@ -156,7 +161,10 @@ pub fn run(args: Args) -> Result<(), AppError> {
             crate::load::ScrapeConfig::default(),
         )
     };
-    let nats = match nats_config(&args) {
+    // One id per start names this replica to its peers (in-flight sharing, the response relay).
+    let replica = random_replica_id();
+    let (handoffs, relay) = handoff_table(&args, replica);
+    let nats = match nats_config(&args, replica) {
         Some(config) => {
             let shared = crate::ingest::nats::Shared {
                 index: Arc::clone(&state.index),
@@ -171,7 +179,7 @@ pub fn run(args: Args) -> Result<(), AppError> {
                 },
             };
             let started = runtime
-                .block_on(NatsIngest::start(config, shared))
+                .block_on(NatsIngest::start_with_relay(config, shared, relay))
                 .map_err(|e| config_error(e.to_string()))?;
             Some(started)
         }
@@ -180,9 +188,6 @@ pub fn run(args: Args) -> Result<(), AppError> {
             None
         }
     };
-    let handoffs = args
-        .response_observer
-        .then(|| Arc::new(crate::extproc::Handoffs::new(HANDOFF_CAPACITY)));
     let metrics_sources = crate::metrics::Sources {
         handoffs: handoffs.clone(),
         pool: args.pool_name.clone(),
@@ -268,8 +273,29 @@ fn keyer(args: &Args) -> Result<Keyer, AppError> {
     Ok(keyer)
 }
 
+/// The response observer's ticket table, when the gateway runs that layout; with NATS, it relays
+/// observed responses of requests other replicas routed (the loop's config is returned too).
+fn handoff_table(args: &Args, replica: u64) -> (Option<Arc<Handoffs>>, Option<RelayConfig>) {
+    if !args.response_observer {
+        return (None, None);
+    }
+    let table = Handoffs::new(HANDOFF_CAPACITY);
+    if args.nats().is_none() {
+        tracing::info!(
+            "response observer without --nats-url: a response observed by another EPP replica \
+             is not reported to the replica that routed it"
+        );
+        return (Some(Arc::new(table)), None);
+    }
+    let (sink, outbox) = relay_queue(RELAY_QUEUE);
+    let relay = Relay::new(replica, Arc::new(sink), HANDOFF_CAPACITY);
+    let handoffs = Arc::new(table.with_relay(Arc::new(relay)));
+    let config = RelayConfig::new(Arc::clone(&handoffs), outbox);
+    (Some(handoffs), Some(config))
+}
+
 /// The NATS configuration, when `--nats-url` is set.
-fn nats_config(args: &Args) -> Option<NatsConfig> {
+fn nats_config(args: &Args, replica: u64) -> Option<NatsConfig> {
     let url = args.nats()?;
     let sync = crate::ingest::nats::sync::SyncConfig {
         snapshot_timeout: kv_index::Millis(args.snapshot_timeout_ms),
@@ -281,9 +307,7 @@ fn nats_config(args: &Args) -> Option<NatsConfig> {
         pool: args.pool_name.clone(),
         sync,
         limits: kv_events::envelope::EnvelopeLimits::default(),
-        sharing: args
-            .inflight_sharing
-            .then(|| SharingConfig::new(random_replica_id())),
+        sharing: args.inflight_sharing.then(|| SharingConfig::new(replica)),
     })
 }
 

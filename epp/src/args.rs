@@ -181,7 +181,9 @@ pub struct Args {
     /// request, so the EPP is off the response path and streams in flight survive its loss.
     /// Each routing stream parks its request's ticket under `x-request-id`; the observer stream
     /// claims it and reports first byte, usage and end. Tickets nobody claims are aborted within
-    /// two seconds (`kvgate_epp_response_handoffs_total{outcome="expired"}`).
+    /// two seconds (`kvgate_epp_response_handoffs_total{outcome="expired"}`). With `--nats-url`,
+    /// several replicas relay to each other: an observer stream whose request another replica
+    /// routed sends the response's events to that replica over NATS.
     #[arg(long, env = "KVGATE_RESPONSE_OBSERVER", default_value_t = false, action = clap::ArgAction::Set)]
     pub response_observer: bool,
     /// HTTP/2 adaptive flow-control windows on the ext_proc listener (BDP estimation).

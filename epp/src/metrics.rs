@@ -297,6 +297,9 @@ pub fn render(s: &Sources) -> String {
     }
     if let Some(h) = &s.handoffs {
         handoff_metrics(&mut e, &h.stats(), &s.pool);
+        if let Some(relay) = h.relay() {
+            relay_metrics(&mut e, &relay.stats(), &s.pool);
+        }
     }
     out.push_str(&e.finish());
     out
@@ -312,11 +315,22 @@ fn handoff_metrics(e: &mut telemetry::Exposition, h: &crate::extproc::HandoffSta
         &[("pool", pool)],
         h.parked as f64,
     );
+    e.single(
+        "kvgate_epp_response_handoffs_observed_by_peers",
+        telemetry::Kind::Gauge,
+        "Routed requests whose response a peer replica's observer reports (relayed), open now.",
+        &[("pool", pool)],
+        h.relayed as f64,
+    );
     e.family(
         "kvgate_epp_response_handoffs_total",
         telemetry::Kind::Counter,
         "Tickets handed to the response observer: claimed; expired (nobody claimed it in time); \
-         overflowed or replaced (aborted at once); unmatched (an observer stream found none).",
+         overflowed or replaced (aborted at once); unmatched (an observer stream found none); \
+         relayed_out (an observer stream here relays to the replica that routed its request); \
+         relayed_in (a peer's observer claimed a ticket parked here); relay_lost (a relayed \
+         ticket aborted: its observer stopped reporting it); relay_unmatched (a relayed event \
+         named no ticket here).",
     );
     for (outcome, n) in [
         ("claimed", h.claimed),
@@ -324,9 +338,38 @@ fn handoff_metrics(e: &mut telemetry::Exposition, h: &crate::extproc::HandoffSta
         ("overflowed", h.overflowed),
         ("replaced", h.replaced),
         ("unmatched", h.unmatched),
+        ("relayed_out", h.relayed_out),
+        ("relayed_in", h.relayed_in),
+        ("relay_lost", h.relay_lost),
+        ("relay_unmatched", h.relay_unmatched),
     ] {
         e.sample(
             "kvgate_epp_response_handoffs_total",
+            &[("pool", pool), ("outcome", outcome)],
+            n as f64,
+        );
+    }
+}
+
+/// The response relay's observer side: tickets open towards peers, and the queue to NATS.
+#[allow(clippy::cast_precision_loss)]
+fn relay_metrics(e: &mut telemetry::Exposition, r: &crate::extproc::RelayStats, pool: &str) {
+    e.single(
+        "kvgate_epp_response_handoffs_relayed",
+        telemetry::Kind::Gauge,
+        "Responses observed here for requests peer replicas routed, open now.",
+        &[("pool", pool)],
+        r.open as f64,
+    );
+    e.family(
+        "kvgate_epp_relay_items_total",
+        telemetry::Kind::Counter,
+        "Relay items (claims, response events, heartbeats) for peer replicas: queued for NATS, \
+         or dropped because the queue was full.",
+    );
+    for (outcome, n) in [("queued", r.queued), ("dropped", r.dropped)] {
+        e.sample(
+            "kvgate_epp_relay_items_total",
             &[("pool", pool), ("outcome", outcome)],
             n as f64,
         );

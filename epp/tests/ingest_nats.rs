@@ -1,7 +1,7 @@
 //! NATS ingestion against a real `nats-server`: a fake sidecar publishes envelopes and answers
 //! snapshot requests; the EPP's index follows it through gaps, new epochs and a NATS outage
 //! (during which the picker keeps routing); two EPP replicas share in-flight load and forget a
-//! silent peer.
+//! silent peer, and relay observed responses to the replica that routed them.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -16,6 +16,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request, processing_response,
+};
 use kv_events::envelope::{ENVELOPE_VERSION, EngineKind};
 use kv_events::load::LoadSample;
 use kv_events::snapshot::{Snapshot, SnapshotRequest, TierKeys};
@@ -23,9 +27,15 @@ use kv_events::{BlockKey, Envelope, KvEvent, Source, Tier, subject};
 use kv_index::{EndpointId, IndexConfig, KvIndex, Millis};
 use kvgate_epp::discovery::Datastore;
 use kvgate_epp::discovery::apply::NodeIds;
+use kvgate_epp::extproc::{
+    Decision, ExtProcStream, Handoffs, REPLICA_HEADER, Rejection, Relay, ResponseEvent,
+    StreamConfig,
+};
 use kvgate_epp::extproc::{Router as _, RoutingInput};
 use kvgate_epp::ingest::nats::sync::SyncConfig;
-use kvgate_epp::ingest::nats::{NatsConfig, NatsIngest, Shared, SharingConfig};
+use kvgate_epp::ingest::nats::{
+    NatsConfig, NatsIngest, RelayConfig, Shared, SharingConfig, relay_queue,
+};
 use kvgate_epp::routing::keys::Keyer;
 use kvgate_epp::routing::picker::Picker;
 use scheduler::{Endpoint, InflightTracker, LoadBook, Scheduler, SchedulerConfig};
@@ -280,6 +290,15 @@ impl Epp {
     }
 
     async fn start(&self, url: &str, sharing: Option<SharingConfig>) -> NatsIngest {
+        self.start_relaying(url, sharing, None).await
+    }
+
+    async fn start_relaying(
+        &self,
+        url: &str,
+        sharing: Option<SharingConfig>,
+        relay: Option<RelayConfig>,
+    ) -> NatsIngest {
         let epoch = self.epoch;
         let config = NatsConfig {
             url: url.to_owned(),
@@ -303,7 +322,9 @@ impl Epp {
             model: Arc::from("m"),
             clock: Arc::new(move || Millis(epoch.elapsed().as_millis() as u64)),
         };
-        NatsIngest::start(config, shared).await.unwrap()
+        NatsIngest::start_with_relay(config, shared, relay)
+            .await
+            .unwrap()
     }
 
     /// The keys of `universe` the index holds for pod-0 on GPU.
@@ -547,4 +568,164 @@ async fn replicas_share_inflight_load_and_forget_a_silent_peer() {
     b.inflight.on_finished(u);
     assert!(b.inflight.is_empty());
     nb.shutdown().await;
+}
+
+/// A router that picks one endpoint and records the response events of its tickets.
+#[derive(Default)]
+struct Recorder {
+    events: Mutex<Vec<(u64, ResponseEvent)>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl kvgate_epp::extproc::Router for Recorder {
+    fn route(&self, _: RoutingInput<'_>) -> Result<Decision, Rejection> {
+        Ok(Decision {
+            endpoints: vec!["10.0.0.1:8000".into()],
+            body: None,
+            add_headers: Vec::new(),
+            ticket: self.next.fetch_add(1, Ordering::Relaxed),
+            response_model: None,
+        })
+    }
+
+    fn on_response(&self, ticket: u64, event: ResponseEvent) {
+        self.events.lock().unwrap().push((ticket, event));
+    }
+}
+
+fn headers(pairs: &[(&str, &str)], response: bool, eos: bool) -> ProcessingRequest {
+    let h = HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: pairs
+                .iter()
+                .map(|(k, v)| HeaderValue {
+                    key: (*k).to_owned(),
+                    raw_value: v.as_bytes().to_vec(),
+                    ..Default::default()
+                })
+                .collect(),
+        }),
+        end_of_stream: eos,
+        ..Default::default()
+    };
+    ProcessingRequest {
+        request: Some(if response {
+            processing_request::Request::ResponseHeaders(h)
+        } else {
+            processing_request::Request::RequestHeaders(h)
+        }),
+        ..Default::default()
+    }
+}
+
+/// The value the pick set for `name`.
+fn set_header(reply: &ProcessingResponse, name: &str) -> Option<String> {
+    let Some(processing_response::Response::RequestHeaders(h)) = &reply.response else {
+        return None;
+    };
+    h.response
+        .as_ref()?
+        .header_mutation
+        .as_ref()?
+        .set_headers
+        .iter()
+        .filter_map(|o| o.header.as_ref())
+        .find(|h| h.key == name)
+        .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
+}
+
+/// One replica's relay: its handoff table and the loop's config.
+fn relaying(replica: u64) -> (Arc<Handoffs>, RelayConfig) {
+    let (sink, outbox) = relay_queue(256);
+    let relay = Relay::new(replica, Arc::new(sink), 256);
+    let handoffs = Arc::new(Handoffs::new(256).with_relay(Arc::new(relay)));
+    let config = RelayConfig {
+        heartbeat: Duration::from_millis(200),
+        ..RelayConfig::new(Arc::clone(&handoffs), outbox)
+    };
+    (handoffs, config)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_observer_relays_the_response_and_its_death_aborts_the_ticket() {
+    let server = NatsServer::start();
+    let (a, b) = (Epp::new(0), Epp::new(1));
+    let (ha, ra) = relaying(0xa);
+    let (hb, rb) = relaying(0xb);
+    let na = a.start_relaying(&server.url(), None, Some(ra)).await;
+    let nb = b.start_relaying(&server.url(), None, Some(rb)).await;
+    let (sa, sb) = (na.stats(), nb.stats());
+    eventually("both connected", || {
+        sa.connected.load(Ordering::Relaxed) == 1 && sb.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // The subscriptions are in place once a round trip through the server has been made.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (router_a, router_b) = (Arc::new(Recorder::default()), Arc::new(Recorder::default()));
+    let config = Arc::new(StreamConfig::default());
+    let route = |request_id: &str| {
+        let mut routing = ExtProcStream::new(router_a.clone(), Arc::clone(&config))
+            .with_handoffs(Arc::clone(&ha));
+        let out = routing
+            .on_message(headers(
+                &[
+                    (":method", "GET"),
+                    (":path", "/v1/models"),
+                    ("x-request-id", request_id),
+                ],
+                false,
+                true,
+            ))
+            .unwrap();
+        routing.finish();
+        set_header(&out[0], REPLICA_HEADER).expect("the pick names its replica")
+    };
+    let observe = |request_id: &str, replica: &str| {
+        let mut observer = ExtProcStream::new(router_b.clone(), Arc::clone(&config))
+            .with_handoffs(Arc::clone(&hb))
+            .observing_responses();
+        observer
+            .on_message(headers(
+                &[("x-request-id", request_id), (REPLICA_HEADER, replica)],
+                false,
+                false,
+            ))
+            .unwrap();
+        assert!(observer.has_open_ticket());
+        observer
+    };
+    let events = |r: &Recorder| r.events.lock().unwrap().clone();
+
+    // Routed by A, observed by B: A's router hears the response.
+    let replica = route("one");
+    assert_eq!(replica, "000000000000000a");
+    let mut observer = observe("one", &replica);
+    eventually("A's ticket claimed by B", || ha.stats().relayed == 1).await;
+    observer
+        .on_message(headers(&[(":status", "200")], true, true))
+        .unwrap();
+    observer.finish();
+    eventually("the end relayed to A", || events(&router_a).len() == 2).await;
+    assert!(matches!(
+        events(&router_a)[0],
+        (0, ResponseEvent::Headers { status: 200, .. })
+    ));
+    assert_eq!(events(&router_a)[1], (0, ResponseEvent::End));
+    assert!(events(&router_b).is_empty());
+    assert_eq!(ha.stats().relayed, 0);
+
+    // B dies while it observes a second request: A aborts the ticket once B is silent long
+    // enough (A's sweeps run once a second in the EPP; here by hand).
+    let replica = route("two");
+    let observer = observe("two", &replica);
+    eventually("the second claim", || ha.stats().relayed == 1).await;
+    drop(nb);
+    std::mem::forget(observer);
+    // Let B's last heartbeat land before A's sweeps start counting.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for _ in 0..=kvgate_epp::extproc::RELAY_SILENCE_SWEEPS {
+        ha.sweep();
+    }
+    assert_eq!(events(&router_a).last(), Some(&(1, ResponseEvent::Aborted)));
+    assert_eq!(ha.stats().relay_lost, 1);
 }

@@ -78,6 +78,16 @@ pub fn inflight(namespace: &str, pool: &str) -> String {
     format!("kvgate.inflight.{}.{}", token(namespace), token(pool))
 }
 
+/// `kvgate.handoff.<namespace>.<pool>.<replica>` (16 hex digits): response events a peer EPP
+/// replica's observer relays to the replica that routed the requests.
+pub fn handoff(namespace: &str, pool: &str, replica: u64) -> String {
+    format!(
+        "kvgate.handoff.{}.{}.{replica:016x}",
+        token(namespace),
+        token(pool)
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

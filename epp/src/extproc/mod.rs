@@ -22,13 +22,16 @@
 //!   bodies (streamed or buffered) get the client's name back and lose `content-length`;
 //! - the response-observer layout ([`Handoffs`]): a routing filter that sends only the request
 //!   parks its ticket under `x-request-id`, and a second filter's stream (gRPC metadata
-//!   `x-kvgate-ext-proc-role: response`, or observability mode) claims it and sees the response.
+//!   `x-kvgate-ext-proc-role: response`, or observability mode) claims it and sees the response;
+//!   with several replicas, an observer that finds no ticket relays the response's events to the
+//!   replica named in `x-kvgate-epp-replica` ([`Relay`]).
 
 mod body;
 mod handoff;
 mod headers;
 mod immediate;
 mod metadata;
+mod relay;
 mod rewrite;
 mod router;
 mod stream;
@@ -37,7 +40,11 @@ mod trace_tests;
 mod usage;
 
 pub use body::MAX_CHUNK_BYTES;
-pub use handoff::{HandoffStats, Handoffs};
+pub use handoff::{HandoffStats, Handoffs, RELAY_SILENCE_SWEEPS};
+pub use relay::{
+    MAX_RELAYED_ID_BYTES, Outgoing, REPLICA_HEADER, RESPONSE_MODEL_HEADER, Relay, RelayEvent,
+    RelaySink, RelayStats, id_hash, parse_replica, replica_header_value,
+};
 pub use rewrite::ResponseRewriter;
 pub use router::{Decision, Rejection, ResponseEvent, ResponseModel, Router, RoutingInput};
 pub use stream::{

@@ -27,10 +27,14 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 
 use super::DESTINATION_ENDPOINT_HEADER;
 use super::body::{BodyBuffer, TooLarge, streamed_chunks};
-use super::handoff::Handoffs;
+use super::handoff::{Claimed, Handoffs};
 use super::headers::{RequestHead, find, mutation, set, value_of};
 use super::immediate::Refusal;
 use super::metadata::{destination, served_endpoint, subset_hint};
+use super::relay::{
+    REPLICA_HEADER, RESPONSE_MODEL_HEADER, RelayTicket, decode_response_model,
+    encode_response_model, parse_replica,
+};
 use super::rewrite::ResponseRewriter;
 use super::router::{Decision, ResponseEvent, Router, RoutingInput};
 use super::usage::{Limits, Usage, UsageScanner};
@@ -132,13 +136,38 @@ impl StreamError {
     }
 }
 
-/// A routed request's handle: reports events to the router and guarantees exactly one terminal
-/// event, `Aborted` when dropped open.
+/// A routed request's handle: reports events to the router (or, for a request another replica
+/// routed, through the relay to that replica) and guarantees exactly one terminal event,
+/// `Aborted` when dropped open.
 struct Ticket {
-    id: u64,
-    router: Option<Arc<dyn Router>>,
+    sink: Option<Sink>,
     /// The request's trace span: the router's spans for the response hang under it.
     span: tracing::Span,
+}
+
+/// Where a ticket's events go.
+enum Sink {
+    /// This replica's router.
+    Local { id: u64, router: Arc<dyn Router> },
+    /// The replica that routed the request.
+    Relay(RelayTicket),
+}
+
+impl Sink {
+    fn report(&self, span: &tracing::Span, event: ResponseEvent) {
+        match self {
+            Self::Local { id, router } => span.in_scope(|| router.on_response(*id, event)),
+            Self::Relay(relay) => relay.report(event),
+        }
+    }
+
+    fn close(self, span: &tracing::Span, event: ResponseEvent) {
+        span.record("outcome", outcome(&event));
+        match self {
+            Self::Local { id, router } => span.in_scope(|| router.on_response(id, event)),
+            Self::Relay(relay) => relay.close(event),
+        }
+    }
 }
 
 impl Ticket {
@@ -147,27 +176,23 @@ impl Ticket {
         if let ResponseEvent::Headers { status, .. } = &event {
             self.span.record("http.response.status_code", status);
         }
-        if let Some(r) = &self.router {
-            self.span.in_scope(|| r.on_response(self.id, event));
+        if let Some(sink) = &self.sink {
+            sink.report(&self.span, event);
         }
     }
 
     fn close(mut self, event: ResponseEvent) {
         debug_assert!(event.is_terminal());
-        if let Some(r) = self.router.take() {
-            self.span.record("outcome", outcome(&event));
-            self.span.in_scope(|| r.on_response(self.id, event));
+        if let Some(sink) = self.sink.take() {
+            sink.close(&self.span, event);
         }
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        if let Some(r) = self.router.take() {
-            self.span
-                .record("outcome", outcome(&ResponseEvent::Aborted));
-            self.span
-                .in_scope(|| r.on_response(self.id, ResponseEvent::Aborted));
+        if let Some(sink) = self.sink.take() {
+            sink.close(&self.span, ResponseEvent::Aborted);
         }
     }
 }
@@ -214,10 +239,13 @@ pub fn request_span(
 
 impl std::fmt::Debug for Ticket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ticket")
-            .field("id", &self.id)
-            .field("open", &self.router.is_some())
-            .finish()
+        let mut d = f.debug_struct("Ticket");
+        match &self.sink {
+            Some(Sink::Local { id, .. }) => d.field("id", id),
+            Some(Sink::Relay(relay)) => d.field("relay", relay),
+            None => d.field("open", &false),
+        };
+        d.finish()
     }
 }
 
@@ -267,6 +295,18 @@ pub(super) struct Observer {
     phase: ResponsePhase,
     /// Swaps the served model name back to the client's, when the request was rewritten.
     rewriter: Option<ResponseRewriter>,
+}
+
+impl Observer {
+    /// Reports a non-terminal event to the ticket.
+    pub(super) fn report(&self, event: ResponseEvent) {
+        self.ticket.report(event);
+    }
+
+    /// Closes the ticket with a terminal event.
+    pub(super) fn close(self, event: ResponseEvent) {
+        self.ticket.close(event);
+    }
 }
 
 /// How the pick is delivered, by request shape and mode.
@@ -452,18 +492,55 @@ impl ExtProcStream {
         let head = RequestHead::parse(&h.headers);
         tracing::Span::current().record("request_id", head.request_id.as_str());
         self.request = RequestPhase::Forwarded;
+        let header = |name: &str| {
+            head.headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_str())
+        };
         // A request id the EPP made up here names no parked ticket.
-        if !head.request_id_generated {
-            self.response = self
-                .handoffs
-                .as_ref()
-                .and_then(|h| h.claim(&head.request_id));
-        }
+        let claimed = match &self.handoffs {
+            Some(handoffs) if !head.request_id_generated => {
+                let owner = header(REPLICA_HEADER).and_then(parse_replica);
+                handoffs.claim(&head.request_id, owner)
+            }
+            _ => None,
+        };
+        self.response = claimed.map(|claimed| match claimed {
+            Claimed::Local(observer) => observer,
+            Claimed::Relay(relay) => Observer {
+                ticket: Ticket {
+                    sink: Some(Sink::Relay(relay)),
+                    span: tracing::Span::none(),
+                },
+                phase: ResponsePhase::AwaitingHeaders,
+                rewriter: header(RESPONSE_MODEL_HEADER)
+                    .and_then(decode_response_model)
+                    .map(|m| ResponseRewriter::new(&m.served, &m.client)),
+            },
+        });
         if self.response.is_none() {
             tracing::debug!(request_id = %head.request_id, "observed a response without a parked ticket");
         }
         self.request_id = Some(head.request_id);
-        Ok(vec![continue_headers()])
+        // The relay's headers are for this stream; the engine need not see them.
+        let relay_headers: Vec<String> = [REPLICA_HEADER, RESPONSE_MODEL_HEADER]
+            .into_iter()
+            .filter(|n| header(n).is_some())
+            .map(str::to_owned)
+            .collect();
+        if relay_headers.is_empty() {
+            return Ok(vec![continue_headers()]);
+        }
+        Ok(vec![ProcessingResponse {
+            response: Some(Response::RequestHeaders(HeadersResponse {
+                response: Some(CommonResponse {
+                    header_mutation: Some(mutation(Vec::new(), &relay_headers)),
+                    ..Default::default()
+                }),
+            })),
+            ..Default::default()
+        }])
     }
 
     fn on_request_headers(
@@ -616,8 +693,10 @@ impl ExtProcStream {
             Err(rejection) => return self.refuse(Refusal::from(&rejection)),
         };
         let ticket = Ticket {
-            id: decision.ticket,
-            router: Some(Arc::clone(&self.router)),
+            sink: Some(Sink::Local {
+                id: decision.ticket,
+                router: Arc::clone(&self.router),
+            }),
             span: self.span.clone(),
         };
         if let Err(problem) = validate(&decision) {
@@ -655,6 +734,13 @@ impl ExtProcStream {
         );
         if head.request_id_generated {
             set_headers.push(set(super::REQUEST_ID_HEADER, &head.request_id));
+        }
+        // An observer stream on another replica relays the response's events back here.
+        if let Some(relay) = self.handoffs.as_ref().and_then(|h| h.relay()) {
+            set_headers.push(set(REPLICA_HEADER, &relay.header_value()));
+            if let Some(m) = &response_model {
+                set_headers.push(set(RESPONSE_MODEL_HEADER, &encode_response_model(m)));
+            }
         }
         // The engine's side of the trace continues from this request's span (nothing is
         // written when tracing is off: a client's own `traceparent` passes through).

@@ -1536,3 +1536,6 @@ proptest! {
         prop_assert_eq!(terminal + model.len(), tickets as usize);
     }
 }
+
+#[path = "relay_tests.rs"]
+mod relay_tests;

@@ -22,6 +22,7 @@ use tokio::task::JoinHandle;
 use tokio_stream::StreamExt as _;
 
 use super::kv::{FetchOrder, FetchResult, KvIngest};
+use super::relay::{RelayConfig, run_relay};
 use super::resolve::Resolver;
 use super::sharing::{SharingConfig, run_sharing};
 use super::stats::{NatsStats, add, set};
@@ -121,6 +122,16 @@ impl NatsIngest {
     /// Connects (in the background) and starts the loops. Fails only on a malformed URL or a
     /// closed client, never because the server is down.
     pub async fn start(config: NatsConfig, shared: Shared) -> Result<Self, NatsError> {
+        Self::start_with_relay(config, shared, None).await
+    }
+
+    /// [`NatsIngest::start`], also relaying response events between replicas when `relay` is
+    /// given (the response-observer layout).
+    pub async fn start_with_relay(
+        config: NatsConfig,
+        shared: Shared,
+        relay: Option<RelayConfig>,
+    ) -> Result<Self, NatsError> {
         let stats = Arc::new(NatsStats::default());
         let (connects_tx, connects) = watch::channel(0u64);
         let client = connect(&config.url, Arc::clone(&stats), connects_tx).await?;
@@ -164,6 +175,20 @@ impl NatsIngest {
             connects.clone(),
             stop_rx.clone(),
         )));
+        if let Some(relay) = relay
+            && let Some(own) = relay.handoffs.relay().map(|r| r.replica())
+        {
+            let inbox = sub(subject::handoff(ns, pool, own)).await?;
+            tasks.push(tokio::spawn(run_relay(
+                client.clone(),
+                ns.clone(),
+                pool.clone(),
+                inbox,
+                relay,
+                Arc::clone(&stats),
+                stop_rx.clone(),
+            )));
+        }
         let mut replica = None;
         if let Some(sharing) = config.sharing {
             let subject = subject::inflight(ns, pool);

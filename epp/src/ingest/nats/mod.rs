@@ -1,20 +1,23 @@
 //! NATS ingestion (DESIGN.md § KV events): sidecar and block-manager envelopes with per-source
-//! sequencing and snapshot resynchronisation, engine load samples, and in-flight sharing
-//! between active-active EPP replicas.
+//! sequencing and snapshot resynchronisation, engine load samples, in-flight sharing between
+//! active-active EPP replicas, and the relay of response events between them.
 //!
 //! Pure parts: [`sync`] (one source's state machine), [`kv`] (all sources against the index),
-//! [`inflight_wire`] and [`peer_book`] (sharing). I/O: [`adapter`] (connection, subscriptions,
-//! snapshot request/reply) and [`sharing`] (the sharing loop).
+//! [`inflight_wire`] and [`peer_book`] (sharing), [`relay_wire`] (the relay). I/O: [`adapter`]
+//! (connection, subscriptions, snapshot request/reply), [`sharing`] and [`relay`] (their loops).
 
 pub mod adapter;
 pub mod inflight_wire;
 pub mod kv;
 pub mod peer_book;
+pub mod relay;
+pub mod relay_wire;
 pub mod resolve;
 pub mod sharing;
 pub mod stats;
 pub mod sync;
 
 pub use adapter::{Clock, NatsConfig, NatsError, NatsIngest, Shared};
+pub use relay::{ChannelSink, RelayConfig, relay_queue};
 pub use sharing::{SharingConfig, random_replica_id};
 pub use stats::NatsStats;

@@ -57,6 +57,12 @@ pub struct NatsStats {
     pub peer_replicas: AtomicU64,
     /// Peer replicas forgotten after falling silent.
     pub peers_expired: AtomicU64,
+    /// Relay messages published to peer replicas (response events of their requests).
+    pub relay_messages_sent: AtomicU64,
+    /// Relay messages that could not be published (disconnected, buffer full).
+    pub relay_publish_failed: AtomicU64,
+    /// Relay messages received from peer replicas and applied.
+    pub relay_messages_received: AtomicU64,
 }
 
 impl NatsStats {
@@ -193,6 +199,24 @@ impl NatsStats {
             "gauge",
             "Peer EPP replicas whose in-flight load is counted.",
             get(&self.peer_replicas),
+        );
+        one(
+            "kvgate_epp_relay_messages_sent_total",
+            "counter",
+            "Relay messages (response events of peer replicas' requests) published.",
+            get(&self.relay_messages_sent),
+        );
+        one(
+            "kvgate_epp_relay_publish_failures_total",
+            "counter",
+            "Relay messages that could not be published (NATS disconnected or its buffer full).",
+            get(&self.relay_publish_failed),
+        );
+        one(
+            "kvgate_epp_relay_messages_received_total",
+            "counter",
+            "Relay messages received from peer replicas and applied.",
+            get(&self.relay_messages_received),
         );
         one(
             "kvgate_epp_peer_replicas_expired_total",
