@@ -146,6 +146,30 @@ fn every_value_set_lints_and_renders_secure_workloads() {
         "FailOpen",
         "FailOpen by default"
     );
+    // The response-observer layout: the EPP's second port, in its Service and NetworkPolicy.
+    let observer_port = |r: &Rendered, kind: &str, name: &str| -> bool {
+        r.get(kind, name).unwrap().to_string().contains("9004")
+    };
+    let epp_args = |r: &Rendered| {
+        r.get("Deployment", "kvgate-epp").unwrap()["spec"]["template"]["spec"]["containers"][0]
+            ["args"]
+            .clone()
+    };
+    assert!(
+        epp_args(&everything)
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a == "--observer-port=9004")
+    );
+    for (kind, name) in [("Service", "kvgate-epp"), ("NetworkPolicy", "kvgate-epp")] {
+        assert!(observer_port(&everything, kind, name), "{kind} {name}");
+    }
+    assert!(
+        !epp_args(&defaults).to_string().contains("observer")
+            && !observer_port(&defaults, "Service", "kvgate-epp"),
+        "one filter by default"
+    );
     let tls_off = render(&h, "tls-off");
     let args = &tls_off.get("Deployment", "kvgate-epp").unwrap()["spec"]["template"]["spec"]["containers"]
         [0]["args"];

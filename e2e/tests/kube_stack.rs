@@ -357,3 +357,93 @@ async fn the_block_manager_and_two_epp_replicas_run_from_the_chart() {
     stack.stop();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The chart's response-observer layout (`epp.responseObserver.enabled`) behind the gateway
+/// the way manifests/gateways/envoy-gateway/observer.yaml configures it: two EPP replicas
+/// report every response where it was routed (relaying over NATS when the other replica
+/// observed it), and streams in flight run to their end when every EPP pod crashes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_response_observer_streams_survive_their_epps_crash() {
+    let mut stack = start(KubeStackConfig {
+        engines: 1,
+        epp_replicas: 2,
+        // Real time: a 300-token answer streams for seconds.
+        engine_args: vec!["--time-scale=1".into()],
+        values: vec!["epp: {responseObserver: {enabled: true}}".into()],
+        ..KubeStackConfig::default()
+    })
+    .await;
+    const REQUESTS: usize = 12;
+    for i in 0..REQUESTS {
+        let r = send(&stack, &format!("observed {i}"), "x");
+        assert!(r.ok(), "{r:?}");
+    }
+    let outcome = |pages: &[String], outcome: &str| -> f64 {
+        let label = format!("outcome=\"{outcome}\"");
+        pages
+            .iter()
+            .flat_map(|p| p.lines())
+            .filter(|l| l.starts_with("kvgate_epp_response_handoffs_total{") && l.contains(&label))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let pages = loop {
+        let pages: Vec<String> = (0..2).map(|n| stack.epp_metrics(n).unwrap()).collect();
+        let reported = outcome(&pages, "claimed") + outcome(&pages, "relayed_in");
+        if reported >= REQUESTS as f64 || Instant::now() > deadline {
+            break pages;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    eprintln!(
+        "observed where routed: {}; relayed: {}",
+        outcome(&pages, "claimed"),
+        outcome(&pages, "relayed_in")
+    );
+    assert_eq!(
+        outcome(&pages, "claimed") + outcome(&pages, "relayed_in"),
+        REQUESTS as f64,
+        "{}",
+        pages.join("\n")
+    );
+    assert_eq!(outcome(&pages, "expired"), 0.0);
+
+    const TOKENS: u32 = 300;
+    let port = stack.gateway_addr().port();
+    let streams: Vec<_> = (0..3)
+        .map(|i| {
+            let body = chat(&format!("in flight {i}"), "x", TOKENS, true);
+            std::thread::spawn(move || {
+                let r = post(port, "/v1/chat/completions", &[], &body);
+                (r, Instant::now())
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let epps: Vec<String> = stack
+        .pods()
+        .into_iter()
+        .filter(|(_, kind, _)| matches!(kind, PodKind::Epp(_)))
+        .map(|(name, _, _)| name)
+        .collect();
+    assert_eq!(epps.len(), 2);
+    for name in &epps {
+        stack.kill_pod(name).unwrap();
+    }
+    let killed = Instant::now();
+    for (i, s) in streams.into_iter().enumerate() {
+        let (r, ended) = s.join().unwrap();
+        assert!(
+            ended > killed,
+            "stream {i} ended before the EPPs died: {r:?}"
+        );
+        assert!(r.ok(), "stream {i}: {r:?}");
+        assert!(r.body.contains("[DONE]"), "stream {i} was cut: {r:?}");
+        let chunks = r.body.matches("\"content\"").count() as u32;
+        assert!(chunks >= TOKENS, "stream {i}: {chunks} chunks");
+    }
+    let dir = stack.run_dir().to_path_buf();
+    stack.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}

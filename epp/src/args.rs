@@ -186,6 +186,12 @@ pub struct Args {
     /// routed sends the response's events to that replica over NATS.
     #[arg(long, env = "KVGATE_RESPONSE_OBSERVER", default_value_t = false, action = clap::ArgAction::Set)]
     pub response_observer: bool,
+    /// With `--response-observer true`: a second ext_proc port whose every stream is the
+    /// response observer's, for gateways that cannot send the observer filter's gRPC metadata
+    /// `x-kvgate-ext-proc-role: response` (Envoy Gateway's EnvoyExtensionPolicy): point the
+    /// observer filter here instead. Same TLS as the ext_proc port. 0 (the default): none.
+    #[arg(long, env = "KVGATE_OBSERVER_PORT", default_value_t = 0)]
+    pub observer_port: u16,
     /// HTTP/2 adaptive flow-control windows on the ext_proc listener (BDP estimation).
     #[arg(long, env = "KVGATE_HTTP2_ADAPTIVE_WINDOW", default_value_t = false, action = clap::ArgAction::Set)]
     pub http2_adaptive_window: bool,
@@ -212,7 +218,13 @@ impl Args {
         if self.pool_name.is_empty() || self.pool_namespace.is_empty() {
             return Err("--pool-name and --pool-namespace must not be empty".into());
         }
-        let ports = [self.grpc_port, self.grpc_health_port, self.metrics_port];
+        let mut ports = vec![self.grpc_port, self.grpc_health_port, self.metrics_port];
+        if self.observer_port != 0 {
+            if !self.response_observer {
+                return Err("--observer-port needs --response-observer true".into());
+            }
+            ports.push(self.observer_port);
+        }
         if ports
             .iter()
             .enumerate()
@@ -247,6 +259,28 @@ impl Args {
 mod tests {
     use super::*;
     use clap::Parser as _;
+
+    #[test]
+    fn the_observer_port_needs_the_observer_layout_and_its_own_port() {
+        let parse = |extra: &[&str]| {
+            let base = ["kvgate-epp", "--pool-name", "p", "--discovery", "file"];
+            let mut a = Args::try_parse_from(base.iter().chain(extra)).unwrap();
+            a.endpoints_file = Some("e.yaml".into());
+            a.validate()
+        };
+        assert!(
+            parse(&["--observer-port", "9004"])
+                .unwrap_err()
+                .contains("--response-observer")
+        );
+        assert!(
+            parse(&["--response-observer", "true", "--observer-port", "9002"])
+                .unwrap_err()
+                .contains("ports must differ")
+        );
+        parse(&["--response-observer", "true", "--observer-port", "9004"]).unwrap();
+        parse(&["--response-observer", "true"]).unwrap();
+    }
 
     #[test]
     fn defaults_follow_design_ports() {

@@ -497,6 +497,7 @@ async fn stack(mode: Mode, tls: bool, override_host: bool) -> Stack {
     let bound = server::bind(ServerConfig {
         ext_proc_addr: "127.0.0.1:0".parse().unwrap(),
         health_addr: "127.0.0.1:0".parse().unwrap(),
+        observer_addr: None,
         tls: if tls {
             TlsMode::SelfSigned {
                 names: vec!["localhost".into()],

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
-use kvgate_epp::extproc::{ResponseEvent, Router, StreamConfig};
+use kvgate_epp::extproc::{Handoffs, ResponseEvent, Router, StreamConfig};
 use kvgate_epp::server::{self, Readiness, ServeError, ServerConfig, TlsMode};
 use support::*;
 use tokio::sync::{mpsc, oneshot};
@@ -45,6 +45,7 @@ async fn start(router: Arc<FakeRouter>, tls: TlsMode, drain_timeout: Duration) -
     let config = ServerConfig {
         ext_proc_addr: loopback(),
         health_addr: loopback(),
+        observer_addr: None,
         tls,
         stream: StreamConfig::default(),
         drain_timeout,
@@ -204,6 +205,7 @@ async fn tls_from_certificate_files() {
     let err = server::bind(ServerConfig {
         ext_proc_addr: loopback(),
         health_addr: loopback(),
+        observer_addr: None,
         tls: TlsMode::Files {
             cert: dir.join("tls.crt"),
             key: dir.join("bad.key"),
@@ -349,6 +351,7 @@ async fn port_in_use_is_reported_before_serving() {
     let err = server::bind(ServerConfig {
         ext_proc_addr: taken.local_addr().unwrap(),
         health_addr: loopback(),
+        observer_addr: None,
         tls: TlsMode::Plaintext,
         stream: StreamConfig::default(),
         drain_timeout: LONG,
@@ -361,4 +364,93 @@ async fn port_in_use_is_reported_before_serving() {
         err.to_string()
             .contains(&taken.local_addr().unwrap().to_string())
     );
+}
+
+/// The response observer's own port (`--observer-port`): a stream there carries no role
+/// metadata, yet it never routes; it claims the ticket the routing stream on the ext_proc port
+/// parked and reports the response against it.
+#[tokio::test]
+async fn the_observer_port_observes_without_role_metadata() {
+    let router = FakeRouter::picking(&["10.0.0.2:8000"]);
+    let config = ServerConfig {
+        ext_proc_addr: loopback(),
+        health_addr: loopback(),
+        observer_addr: Some(loopback()),
+        tls: TlsMode::Plaintext,
+        stream: StreamConfig::default(),
+        drain_timeout: LONG,
+        http2_adaptive_window: false,
+    };
+    let bound = server::bind(config)
+        .await
+        .unwrap()
+        .with_handoffs(Arc::new(Handoffs::new(16)));
+    let (ext_proc, observer) = (
+        bound.ext_proc_addr().unwrap(),
+        bound.observer_addr().unwrap(),
+    );
+    assert_ne!(ext_proc, observer);
+    let r: Arc<dyn Router> = router.clone();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(bound.serve(r, Readiness::new(), async {
+        let _ = stopped.await;
+    }));
+
+    let mut routing = plain_client(ext_proc).await;
+    let (tx, mut rx) = open(&mut routing).await;
+    tx.send(req_headers(
+        &[
+            (":method", "GET"),
+            (":path", "/v1/models"),
+            ("x-request-id", "obs-1"),
+        ],
+        true,
+        duplex(),
+    ))
+    .await
+    .unwrap();
+    let reply = tokio::time::timeout(LONG, rx.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        set_headers(&reply)["x-gateway-destination-endpoint"],
+        "10.0.0.2:8000"
+    );
+    drop(tx);
+
+    let mut observing = plain_client(observer).await;
+    let (tx, mut rx) = open(&mut observing).await;
+    tx.send(req_headers(&[("x-request-id", "obs-1")], false, duplex()))
+        .await
+        .unwrap();
+    let reply = tokio::time::timeout(LONG, rx.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(is_request_headers(&reply));
+    assert!(
+        !set_headers(&reply).contains_key("x-gateway-destination-endpoint"),
+        "an observer stream never routes"
+    );
+    tx.send(resp_headers("200", "application/json", None))
+        .await
+        .unwrap();
+    tx.send(resp_body(b"{}", true)).await.unwrap();
+    let events = router.until_terminal(1).await;
+    assert_eq!(events.last(), Some(&ResponseEvent::End), "{events:?}");
+    assert_eq!(
+        router.tickets_issued(),
+        1,
+        "routed once, on the ext_proc port"
+    );
+    drop(tx);
+    let _ = stop.send(());
+    tokio::time::timeout(LONG, task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
 }

@@ -409,6 +409,7 @@ impl KubeStack {
                 listen: SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?)),
                 admin_port: free_port()?,
                 epp: Vec::new(),
+                observer: Vec::new(),
                 epp_tls: true,
                 paths: Vec::new(),
                 request_timeout: Duration::from_secs(300),
@@ -695,6 +696,21 @@ impl KubeStack {
         Ok(())
     }
 
+    /// Crashes a pod: its processes are killed (SIGKILL) and the Pod object stays, as when a
+    /// node's container runtime loses them; nothing restarts them.
+    pub fn kill_pod(&mut self, name: &str) -> Result<(), KubeStackError> {
+        let run = self
+            .pods
+            .remove(name)
+            .ok_or_else(|| KubeStackError::Manifest(format!("no running pod {name}")))?;
+        tokio::task::block_in_place(|| {
+            for (_, proc) in run.procs.into_iter().rev() {
+                proc.kill();
+            }
+        });
+        Ok(())
+    }
+
     /// Flips a pod's `Ready` condition (its processes keep running).
     pub async fn set_ready(&self, name: &str, ready: bool) -> Result<(), KubeStackError> {
         pods::set_ready(&self.client, &self.config.namespace, name, ready).await?;
@@ -789,6 +805,16 @@ impl KubeStack {
             .filter(|p| matches!(p.kind, PodKind::Epp(_)))
             .map(|p| SocketAddr::from((p.ctx.ip, ext_proc)))
             .collect();
+        // The chart's response-observer layout: the EPP pods' observer port.
+        self.gateway.observer = match self.epp_port("grpc-observer") {
+            Some(port) => self
+                .pods
+                .values()
+                .filter(|p| matches!(p.kind, PodKind::Epp(_)))
+                .map(|p| SocketAddr::from((p.ctx.ip, port)))
+                .collect(),
+            None => Vec::new(),
+        };
         let epp = self.epp_deployment()?;
         let args = self.container(&epp, "epp")?["args"].clone();
         self.gateway.epp_tls = !args

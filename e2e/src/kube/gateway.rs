@@ -6,7 +6,10 @@
 //! and TLS without certificate verification (the EPP's certificate is self-signed); and an
 //! `ORIGINAL_DST` cluster that sends each request to the `x-gateway-destination-endpoint`
 //! header. Two response headers are added for the tests: the upstream Envoy used and the
-//! header's value. Pure.
+//! header's value. With the chart's response observer on, the response-observer layout instead:
+//! the ext_proc filter sends the request alone, and a second filter (fail-open, 2 s message
+//! timeout) sends the request headers and the response, body `STREAMED`, to the EPP's observer
+//! port. Pure.
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -21,6 +24,11 @@ pub struct GatewayConfig {
     pub admin_port: u16,
     /// The EPP Service's endpoints (each EPP pod's ext_proc address).
     pub epp: Vec<SocketAddr>,
+    /// The EPP pods' response-observer addresses (the chart's `epp.responseObserver`): when
+    /// any, the ext_proc filter sends the request alone and a second, fail-open filter sends
+    /// the request headers and the response there (as manifests/gateways/envoy-gateway/
+    /// observer.yaml configures Envoy Gateway).
+    pub observer: Vec<SocketAddr>,
     /// TLS to the EPP (the chart's default).
     pub epp_tls: bool,
     /// The HTTPRoute's path prefixes.
@@ -49,15 +57,25 @@ pub fn envoy_yaml(c: &GatewayConfig) -> String {
             timeout = c.request_timeout.as_secs(),
         );
     }
-    let mut epp_hosts = String::new();
-    for a in &c.epp {
-        let _ = writeln!(
-            epp_hosts,
-            "        - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}",
-            a.ip(),
-            a.port()
-        );
-    }
+    let hosts = |addrs: &[SocketAddr]| {
+        let mut out = String::new();
+        for a in addrs {
+            let _ = writeln!(
+                out,
+                "        - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}",
+                a.ip(),
+                a.port()
+            );
+        }
+        out
+    };
+    let epp_hosts = hosts(&c.epp);
+    let observing = !c.observer.is_empty();
+    let (response_header, response_body, response_trailer) = if observing {
+        ("SKIP", "NONE", "SKIP")
+    } else {
+        ("SEND", "FULL_DUPLEX_STREAMED", "SEND")
+    };
     let tls = if c.epp_tls {
         r#"    transport_socket:
       name: envoy.transport_sockets.tls
@@ -67,6 +85,45 @@ pub fn envoy_yaml(c: &GatewayConfig) -> String {
 "#
     } else {
         ""
+    };
+    let observer_filter = if observing {
+        r#"          - name: kvgate.response_observer
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc: { cluster_name: epp_observer }
+              failure_mode_allow: true
+              processing_mode:
+                request_header_mode: SEND
+                request_body_mode: NONE
+                request_trailer_mode: SKIP
+                response_header_mode: SEND
+                response_body_mode: STREAMED
+                response_trailer_mode: SKIP
+              message_timeout: 2s
+"#
+    } else {
+        ""
+    };
+    let observer_cluster = if observing {
+        format!(
+            r#"  - name: epp_observer
+    type: STATIC
+    lb_policy: LEAST_REQUEST
+    connect_timeout: 10s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+{tls}    load_assignment:
+      cluster_name: epp_observer
+      endpoints:
+      - lb_endpoints:
+{hosts}"#,
+            hosts = hosts(&c.observer)
+        )
+    } else {
+        String::new()
     };
     format!(
         r#"# The gateway as Envoy AI Gateway configures an InferencePool backend (written by kvgate's Kubernetes stack).
@@ -103,11 +160,11 @@ static_resources:
                 request_header_mode: SEND
                 request_body_mode: FULL_DUPLEX_STREAMED
                 request_trailer_mode: SEND
-                response_header_mode: SEND
-                response_body_mode: FULL_DUPLEX_STREAMED
-                response_trailer_mode: SEND
+                response_header_mode: {response_header}
+                response_body_mode: {response_body}
+                response_trailer_mode: {response_trailer}
               message_timeout: 300s
-          - name: envoy.filters.http.router
+{observer_filter}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
   clusters:
@@ -130,7 +187,7 @@ static_resources:
       cluster_name: epp
       endpoints:
       - lb_endpoints:
-{epp_hosts}"#,
+{epp_hosts}{observer_cluster}"#,
         ip = c.listen.ip(),
         admin = c.admin_port,
         listen = c.listen.port(),
@@ -151,6 +208,7 @@ mod tests {
                 "127.0.1.2:9002".parse().unwrap(),
                 "127.0.1.3:9002".parse().unwrap(),
             ],
+            observer: Vec::new(),
             epp_tls: true,
             paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
             request_timeout: Duration::from_secs(300),
@@ -166,10 +224,27 @@ mod tests {
             !y.contains(r#"prefix: "/""#),
             "nothing but the route's paths"
         );
+        assert!(!y.contains("response_observer"));
         let plain = envoy_yaml(&GatewayConfig {
             epp_tls: false,
-            ..c
+            ..c.clone()
         });
         assert!(!plain.contains("UpstreamTlsContext"));
+        // The observer layout: the first filter leaves the response alone, the second sees it.
+        let o = envoy_yaml(&GatewayConfig {
+            observer: vec!["127.0.1.2:9004".parse().unwrap()],
+            ..c
+        });
+        let v: serde_yaml_ng::Value = serde_yaml_ng::from_str(&o).unwrap();
+        let filters = &v["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            ["http_filters"];
+        assert_eq!(
+            filters[0]["typed_config"]["processing_mode"]["response_body_mode"],
+            "NONE"
+        );
+        assert_eq!(filters[1]["name"], "kvgate.response_observer");
+        assert_eq!(filters[1]["typed_config"]["failure_mode_allow"], true);
+        assert!(o.contains("address: 127.0.1.2, port_value: 9004"));
+        assert!(o.contains("cluster_name: epp_observer"));
     }
 }

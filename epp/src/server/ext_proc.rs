@@ -39,6 +39,8 @@ pub struct ExtProcService {
     handoffs: Option<Arc<Handoffs>>,
     /// Turns true when open streams must end now (the drain timeout passed).
     cut: watch::Receiver<bool>,
+    /// Every stream is the response observer's (the observer's own port).
+    observing_only: bool,
 }
 
 impl std::fmt::Debug for ExtProcService {
@@ -57,6 +59,16 @@ impl ExtProcService {
             config: Arc::new(config),
             handoffs: None,
             cut: watch::channel(false).1,
+            observing_only: false,
+        }
+    }
+
+    /// The same service for the response observer's own port: every stream observes
+    /// responses, whatever its gRPC metadata says.
+    pub fn observing_only(self) -> Self {
+        Self {
+            observing_only: true,
+            ..self
         }
     }
 
@@ -90,7 +102,7 @@ impl ExternalProcessor for ExtProcService {
             state = state.with_handoffs(Arc::clone(h));
         }
         let role = request.metadata().get(ROLE_METADATA);
-        if role.is_some_and(|r| r.as_bytes() == RESPONSE_ROLE.as_bytes()) {
+        if self.observing_only || role.is_some_and(|r| r.as_bytes() == RESPONSE_ROLE.as_bytes()) {
             state = state.observing_responses();
         }
         let span = tracing::info_span!(

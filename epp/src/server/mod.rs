@@ -61,6 +61,9 @@ pub struct ServerConfig {
     pub ext_proc_addr: SocketAddr,
     /// gRPC health listen address (`0.0.0.0:9003`), always plaintext.
     pub health_addr: SocketAddr,
+    /// The response observer's ext_proc address (`--observer-port`), when it has its own: every
+    /// stream on it observes responses. Same TLS as ext_proc.
+    pub observer_addr: Option<SocketAddr>,
     /// ext_proc transport security.
     pub tls: TlsMode,
     /// Per-stream behaviour.
@@ -88,6 +91,8 @@ impl ServerConfig {
         Self {
             ext_proc_addr: SocketAddr::new(any, args.grpc_port),
             health_addr: SocketAddr::new(any, args.grpc_health_port),
+            observer_addr: (args.observer_port != 0 && args.response_observer)
+                .then(|| SocketAddr::new(any, args.observer_port)),
             tls,
             stream: StreamConfig {
                 max_body_bytes: args.max_body_bytes,
@@ -155,6 +160,7 @@ impl ServeError {
 pub struct Bound {
     ext_proc: TcpListener,
     health: TcpListener,
+    observer: Option<TcpListener>,
     tls: Option<TlsMaterial>,
     config: ServerConfig,
     handoffs: Option<Arc<Handoffs>>,
@@ -180,9 +186,14 @@ pub async fn bind(config: ServerConfig) -> Result<Bound, ServeError> {
     };
     let ext_proc = listen(config.ext_proc_addr).await?;
     let health = listen(config.health_addr).await?;
+    let observer = match config.observer_addr {
+        Some(addr) => Some(listen(addr).await?),
+        None => None,
+    };
     Ok(Bound {
         ext_proc,
         health,
+        observer,
         tls,
         config,
         handoffs: None,
@@ -226,6 +237,11 @@ impl Bound {
         self.health.local_addr().ok()
     }
 
+    /// The response observer's address actually bound, when it has its own port.
+    pub fn observer_addr(&self) -> Option<SocketAddr> {
+        self.observer.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
     /// The certificate served on ext_proc, when TLS is on (clients that verify it need it).
     pub fn certificate_pem(&self) -> Option<&str> {
         self.tls.as_ref().map(|t| t.cert_pem.as_str())
@@ -243,6 +259,7 @@ impl Bound {
         let Self {
             ext_proc,
             health,
+            observer,
             tls,
             config,
             handoffs,
@@ -270,20 +287,38 @@ impl Bound {
             .add_service(health_service)
             .serve_with_incoming_shutdown(TcpIncoming::from(health), stopped(stop_rx.clone()));
 
-        let mut builder =
-            Server::builder().http2_adaptive_window(Some(config.http2_adaptive_window));
-        if let Some(material) = &tls {
-            builder = builder
-                .tls_config(ServerTlsConfig::new().identity(material.identity()))
-                .map_err(ServeError::TlsConfig)?;
-        }
-        let ext_proc_server = builder
-            .add_service(
-                ExtProcService::new(router, config.stream.clone())
-                    .with_handoffs(handoffs)
-                    .with_cut(cut_rx)
-                    .into_server(),
-            )
+        let grpc = || -> Result<Server, ServeError> {
+            let mut builder =
+                Server::builder().http2_adaptive_window(Some(config.http2_adaptive_window));
+            if let Some(material) = &tls {
+                builder = builder
+                    .tls_config(ServerTlsConfig::new().identity(material.identity()))
+                    .map_err(ServeError::TlsConfig)?;
+            }
+            Ok(builder)
+        };
+        let service = ExtProcService::new(router, config.stream.clone())
+            .with_handoffs(handoffs)
+            .with_cut(cut_rx);
+        let observer_server = match observer {
+            Some(listener) => Some(
+                grpc()?
+                    .add_service(service.clone().observing_only().into_server())
+                    .serve_with_incoming_shutdown(
+                        TcpIncoming::from(listener).with_nodelay(Some(true)),
+                        stopped(stop_rx.clone()),
+                    ),
+            ),
+            None => None,
+        };
+        let observer_server = async move {
+            match observer_server {
+                Some(server) => server.await,
+                None => Ok(()),
+            }
+        };
+        let ext_proc_server = grpc()?
+            .add_service(service.into_server())
             .serve_with_incoming_shutdown(
                 TcpIncoming::from(ext_proc).with_nodelay(Some(true)),
                 stopped(stop_rx),
@@ -291,11 +326,12 @@ impl Bound {
         tracing::info!(
             ext_proc = %config.ext_proc_addr,
             health = %config.health_addr,
+            observer = ?config.observer_addr,
             tls = tls.is_some(),
             "serving"
         );
 
-        let servers = async { tokio::try_join!(ext_proc_server, health_server) };
+        let servers = async { tokio::try_join!(ext_proc_server, health_server, observer_server) };
         tokio::pin!(servers);
         tokio::select! {
             result = &mut servers => {
@@ -365,6 +401,9 @@ mod tests {
         ]);
         assert_eq!(c.ext_proc_addr.port(), 7002);
         assert_eq!(c.health_addr.port(), 9003);
+        assert_eq!(c.observer_addr, None);
+        let o = config(&["--response-observer", "true", "--observer-port", "9004"]);
+        assert_eq!(o.observer_addr.map(|a| a.port()), Some(9004));
         assert_eq!(c.stream.max_body_bytes, 1024);
         assert_eq!(c.drain_timeout, Duration::from_secs(5));
     }
