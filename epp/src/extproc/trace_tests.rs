@@ -55,6 +55,9 @@ fn one_request(
     headers: &[(&str, &str)],
 ) -> std::collections::HashMap<String, String> {
     tracing::dispatcher::with_default(dispatch, || {
+        // Another test's thread may have registered these callsites while no subscriber wanted
+        // them (one process runs many tests under `cargo test`): ask again under this one.
+        tracing::callsite::rebuild_interest_cache();
         let mut s = ExtProcStream::new(router, Arc::new(StreamConfig::default()));
         let mut head = vec![
             (":method", "POST"),
