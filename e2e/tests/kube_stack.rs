@@ -378,15 +378,7 @@ async fn with_the_response_observer_streams_survive_their_epps_crash() {
         let r = send(&stack, &format!("observed {i}"), "x");
         assert!(r.ok(), "{r:?}");
     }
-    let outcome = |pages: &[String], outcome: &str| -> f64 {
-        let label = format!("outcome=\"{outcome}\"");
-        pages
-            .iter()
-            .flat_map(|p| p.lines())
-            .filter(|l| l.starts_with("kvgate_epp_response_handoffs_total{") && l.contains(&label))
-            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-            .sum()
-    };
+    let outcome = support::handoff_outcome;
     let deadline = Instant::now() + Duration::from_secs(10);
     let pages = loop {
         let pages: Vec<String> = (0..2).map(|n| stack.epp_metrics(n).unwrap()).collect();

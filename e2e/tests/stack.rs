@@ -1203,15 +1203,7 @@ fn two_epp_replicas_report_each_response_where_it_was_routed() {
             })
             .collect()
     };
-    let outcome = |pages: &[String], outcome: &str| -> f64 {
-        let label = format!("outcome=\"{outcome}\"");
-        pages
-            .iter()
-            .flat_map(|p| p.lines())
-            .filter(|l| l.starts_with("kvgate_epp_response_handoffs_total{") && l.contains(&label))
-            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-            .sum()
-    };
+    let outcome = support::handoff_outcome;
     let sum = |pages: &[String], name: &str| -> f64 {
         pages
             .iter()

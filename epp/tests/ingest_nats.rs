@@ -16,10 +16,6 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request, processing_response,
-};
 use kv_events::envelope::{ENVELOPE_VERSION, EngineKind};
 use kv_events::load::LoadSample;
 use kv_events::snapshot::{Snapshot, SnapshotRequest, TierKeys};
@@ -28,8 +24,7 @@ use kv_index::{EndpointId, IndexConfig, KvIndex, Millis};
 use kvgate_epp::discovery::Datastore;
 use kvgate_epp::discovery::apply::NodeIds;
 use kvgate_epp::extproc::{
-    Decision, ExtProcStream, Handoffs, REPLICA_HEADER, Rejection, Relay, ResponseEvent,
-    StreamConfig,
+    ExtProcStream, Handoffs, REPLICA_HEADER, Relay, ResponseEvent, StreamConfig,
 };
 use kvgate_epp::extproc::{Router as _, RoutingInput};
 use kvgate_epp::ingest::nats::sync::SyncConfig;
@@ -40,6 +35,8 @@ use kvgate_epp::routing::keys::Keyer;
 use kvgate_epp::routing::picker::Picker;
 use scheduler::{Endpoint, InflightTracker, LoadBook, Scheduler, SchedulerConfig};
 use tokio_stream::StreamExt as _;
+
+mod support;
 
 const SERVER: &str = "/usr/sbin/nats-server";
 const NS: &str = "ns";
@@ -570,70 +567,6 @@ async fn replicas_share_inflight_load_and_forget_a_silent_peer() {
     nb.shutdown().await;
 }
 
-/// A router that picks one endpoint and records the response events of its tickets.
-#[derive(Default)]
-struct Recorder {
-    events: Mutex<Vec<(u64, ResponseEvent)>>,
-    next: std::sync::atomic::AtomicU64,
-}
-
-impl kvgate_epp::extproc::Router for Recorder {
-    fn route(&self, _: RoutingInput<'_>) -> Result<Decision, Rejection> {
-        Ok(Decision {
-            endpoints: vec!["10.0.0.1:8000".into()],
-            body: None,
-            add_headers: Vec::new(),
-            ticket: self.next.fetch_add(1, Ordering::Relaxed),
-            response_model: None,
-        })
-    }
-
-    fn on_response(&self, ticket: u64, event: ResponseEvent) {
-        self.events.lock().unwrap().push((ticket, event));
-    }
-}
-
-fn headers(pairs: &[(&str, &str)], response: bool, eos: bool) -> ProcessingRequest {
-    let h = HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: pairs
-                .iter()
-                .map(|(k, v)| HeaderValue {
-                    key: (*k).to_owned(),
-                    raw_value: v.as_bytes().to_vec(),
-                    ..Default::default()
-                })
-                .collect(),
-        }),
-        end_of_stream: eos,
-        ..Default::default()
-    };
-    ProcessingRequest {
-        request: Some(if response {
-            processing_request::Request::ResponseHeaders(h)
-        } else {
-            processing_request::Request::RequestHeaders(h)
-        }),
-        ..Default::default()
-    }
-}
-
-/// The value the pick set for `name`.
-fn set_header(reply: &ProcessingResponse, name: &str) -> Option<String> {
-    let Some(processing_response::Response::RequestHeaders(h)) = &reply.response else {
-        return None;
-    };
-    h.response
-        .as_ref()?
-        .header_mutation
-        .as_ref()?
-        .set_headers
-        .iter()
-        .filter_map(|o| o.header.as_ref())
-        .find(|h| h.key == name)
-        .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
-}
-
 /// One replica's relay: its handoff table and the loop's config.
 fn relaying(replica: u64) -> (Arc<Handoffs>, RelayConfig) {
     let (sink, outbox) = relay_queue(256);
@@ -661,40 +594,45 @@ async fn a_peers_observer_relays_the_response_and_its_death_aborts_the_ticket() 
     .await;
     // The subscriptions are in place once a round trip through the server has been made.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let (router_a, router_b) = (Arc::new(Recorder::default()), Arc::new(Recorder::default()));
+    let (router_a, router_b) = (
+        support::FakeRouter::picking(&["10.0.0.1:8000"]),
+        support::FakeRouter::picking(&["10.0.0.2:8000"]),
+    );
     let config = Arc::new(StreamConfig::default());
     let route = |request_id: &str| {
         let mut routing = ExtProcStream::new(router_a.clone(), Arc::clone(&config))
             .with_handoffs(Arc::clone(&ha));
         let out = routing
-            .on_message(headers(
+            .on_message(support::req_headers(
                 &[
                     (":method", "GET"),
                     (":path", "/v1/models"),
                     ("x-request-id", request_id),
                 ],
-                false,
                 true,
+                None,
             ))
             .unwrap();
         routing.finish();
-        set_header(&out[0], REPLICA_HEADER).expect("the pick names its replica")
+        support::set_headers(&out[0])
+            .remove(REPLICA_HEADER)
+            .expect("the pick names its replica")
     };
     let observe = |request_id: &str, replica: &str| {
         let mut observer = ExtProcStream::new(router_b.clone(), Arc::clone(&config))
             .with_handoffs(Arc::clone(&hb))
             .observing_responses();
         observer
-            .on_message(headers(
+            .on_message(support::req_headers(
                 &[("x-request-id", request_id), (REPLICA_HEADER, replica)],
                 false,
-                false,
+                None,
             ))
             .unwrap();
         assert!(observer.has_open_ticket());
         observer
     };
-    let events = |r: &Recorder| r.events.lock().unwrap().clone();
+    let events = |r: &support::FakeRouter| r.events();
 
     // Routed by A, observed by B: A's router hears the response.
     let replica = route("one");
@@ -702,15 +640,19 @@ async fn a_peers_observer_relays_the_response_and_its_death_aborts_the_ticket() 
     let mut observer = observe("one", &replica);
     eventually("A's ticket claimed by B", || ha.stats().relayed == 1).await;
     observer
-        .on_message(headers(&[(":status", "200")], true, true))
+        .on_message(support::resp_headers("200", "application/json", None))
+        .unwrap();
+    observer
+        .on_message(support::resp_body(b"{}", true))
         .unwrap();
     observer.finish();
-    eventually("the end relayed to A", || events(&router_a).len() == 2).await;
+    eventually("the end relayed to A", || events(&router_a).len() == 3).await;
     assert!(matches!(
         events(&router_a)[0],
-        (0, ResponseEvent::Headers { status: 200, .. })
+        (1, ResponseEvent::Headers { status: 200, .. })
     ));
-    assert_eq!(events(&router_a)[1], (0, ResponseEvent::End));
+    assert_eq!(events(&router_a)[1], (1, ResponseEvent::FirstByte));
+    assert_eq!(events(&router_a)[2], (1, ResponseEvent::End));
     assert!(events(&router_b).is_empty());
     assert_eq!(ha.stats().relayed, 0);
 
@@ -726,6 +668,6 @@ async fn a_peers_observer_relays_the_response_and_its_death_aborts_the_ticket() 
     for _ in 0..=kvgate_epp::extproc::RELAY_SILENCE_SWEEPS {
         ha.sweep();
     }
-    assert_eq!(events(&router_a).last(), Some(&(1, ResponseEvent::Aborted)));
+    assert_eq!(events(&router_a).last(), Some(&(2, ResponseEvent::Aborted)));
     assert_eq!(ha.stats().relay_lost, 1);
 }

@@ -57,25 +57,6 @@ pub fn envoy_yaml(c: &GatewayConfig) -> String {
             timeout = c.request_timeout.as_secs(),
         );
     }
-    let hosts = |addrs: &[SocketAddr]| {
-        let mut out = String::new();
-        for a in addrs {
-            let _ = writeln!(
-                out,
-                "        - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}",
-                a.ip(),
-                a.port()
-            );
-        }
-        out
-    };
-    let epp_hosts = hosts(&c.epp);
-    let observing = !c.observer.is_empty();
-    let (response_header, response_body, response_trailer) = if observing {
-        ("SKIP", "NONE", "SKIP")
-    } else {
-        ("SEND", "FULL_DUPLEX_STREAMED", "SEND")
-    };
     let tls = if c.epp_tls {
         r#"    transport_socket:
       name: envoy.transport_sockets.tls
@@ -85,6 +66,13 @@ pub fn envoy_yaml(c: &GatewayConfig) -> String {
 "#
     } else {
         ""
+    };
+    let epp_cluster = grpc_cluster("epp", &c.epp, tls);
+    let observing = !c.observer.is_empty();
+    let (response_header, response_body, response_trailer) = if observing {
+        ("SKIP", "NONE", "SKIP")
+    } else {
+        ("SEND", "FULL_DUPLEX_STREAMED", "SEND")
     };
     let observer_filter = if observing {
         r#"          - name: kvgate.response_observer
@@ -106,22 +94,7 @@ pub fn envoy_yaml(c: &GatewayConfig) -> String {
         ""
     };
     let observer_cluster = if observing {
-        format!(
-            r#"  - name: epp_observer
-    type: STATIC
-    lb_policy: LEAST_REQUEST
-    connect_timeout: 10s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{ http2_protocol_options: {{}} }}
-{tls}    load_assignment:
-      cluster_name: epp_observer
-      endpoints:
-      - lb_endpoints:
-{hosts}"#,
-            hosts = hosts(&c.observer)
-        )
+        grpc_cluster("epp_observer", &c.observer, tls)
     } else {
         String::new()
     };
@@ -175,7 +148,27 @@ static_resources:
     original_dst_lb_config:
       use_http_header: true
       http_header_name: x-gateway-destination-endpoint
-  - name: epp
+{epp_cluster}{observer_cluster}"#,
+        ip = c.listen.ip(),
+        admin = c.admin_port,
+        listen = c.listen.port(),
+    )
+}
+
+/// A static HTTP/2 cluster of the EPP's `hosts`, least-request balanced, with `tls` (a
+/// transport socket, or nothing).
+fn grpc_cluster(name: &str, hosts: &[SocketAddr], tls: &str) -> String {
+    let mut endpoints = String::new();
+    for a in hosts {
+        let _ = writeln!(
+            endpoints,
+            "        - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}",
+            a.ip(),
+            a.port()
+        );
+    }
+    format!(
+        r#"  - name: {name}
     type: STATIC
     lb_policy: LEAST_REQUEST
     connect_timeout: 10s
@@ -184,13 +177,10 @@ static_resources:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config: {{ http2_protocol_options: {{}} }}
 {tls}    load_assignment:
-      cluster_name: epp
+      cluster_name: {name}
       endpoints:
       - lb_endpoints:
-{epp_hosts}{observer_cluster}"#,
-        ip = c.listen.ip(),
-        admin = c.admin_port,
-        listen = c.listen.port(),
+{endpoints}"#
     )
 }
 

@@ -259,3 +259,14 @@ fn dechunk(mut raw: &[u8]) -> Vec<u8> {
         raw = &raw[eol + 2 + size + 2..];
     }
 }
+
+/// The sum over EPP `/metrics` pages of `kvgate_epp_response_handoffs_total{outcome}`.
+pub fn handoff_outcome(pages: &[String], outcome: &str) -> f64 {
+    let label = format!("outcome=\"{outcome}\"");
+    pages
+        .iter()
+        .flat_map(|p| p.lines())
+        .filter(|l| l.starts_with("kvgate_epp_response_handoffs_total{") && l.contains(&label))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}

@@ -21,3 +21,26 @@ pub use adapter::{Clock, NatsConfig, NatsError, NatsIngest, Shared};
 pub use relay::{ChannelSink, RelayConfig, relay_queue};
 pub use sharing::{SharingConfig, random_replica_id};
 pub use stats::NatsStats;
+
+/// Publishes `bytes` on `subject`, waiting at most `wait` for the client's buffer (disconnected,
+/// full); whether it was queued. A message not sent is logged at debug as `what`: the loops
+/// that publish repair what peers missed with their next full state or heartbeat.
+async fn publish_within(
+    client: &async_nats::Client,
+    subject: &str,
+    bytes: Vec<u8>,
+    wait: std::time::Duration,
+    what: &'static str,
+) -> bool {
+    match tokio::time::timeout(wait, client.publish(subject.to_owned(), bytes.into())).await {
+        Ok(Ok(())) => true,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, what, "not published");
+            false
+        }
+        Err(_) => {
+            tracing::debug!(what, "not published: the NATS client's buffer stayed full");
+            false
+        }
+    }
+}

@@ -133,24 +133,13 @@ pub(super) async fn run_relay(
 }
 
 async fn publish(client: &Client, subject: &str, msg: &RelayMessage) -> bool {
-    let bytes = match msg.encode() {
-        Ok(b) => b,
+    match msg.encode() {
+        Ok(bytes) => {
+            super::publish_within(client, subject, bytes, PUBLISH_WAIT, "relay message").await
+        }
         Err(e) => {
             tracing::warn!(error = %e, "relay message not encoded");
-            return false;
-        }
-    };
-    match tokio::time::timeout(
-        PUBLISH_WAIT,
-        client.publish(subject.to_owned(), bytes.into()),
-    )
-    .await
-    {
-        Ok(Ok(())) => true,
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "relay message not published");
             false
         }
-        Err(_) => false,
     }
 }

@@ -154,17 +154,5 @@ async fn publish(client: &Client, subject: &str, msg: &InflightMessage) -> bool 
     let Ok(bytes) = msg.encode() else {
         return false;
     };
-    match tokio::time::timeout(
-        PUBLISH_WAIT,
-        client.publish(subject.to_owned(), bytes.into()),
-    )
-    .await
-    {
-        Ok(Ok(())) => true,
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "in-flight message not published");
-            false
-        }
-        Err(_) => false,
-    }
+    super::publish_within(client, subject, bytes, PUBLISH_WAIT, "in-flight message").await
 }
