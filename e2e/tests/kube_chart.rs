@@ -194,6 +194,10 @@ fn bad_values_fail_with_a_message_naming_them() {
             "/inferencePool/targetPorts/0",
         ),
         ("nats: {mode: external}", "nats.url is required"),
+        (
+            "nats: {mode: none}\nepp: {responseObserver: {enabled: true}}",
+            "needs NATS",
+        ),
         ("nats: {mode: external, url: \"http://x\"}", "/nats/url"),
         ("kvbm: {remote: {url: \"ftp://x\"}}", "/kvbm/remote/url"),
         ("model: {name: \"\"}", "model.name is required"),

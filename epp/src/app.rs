@@ -72,6 +72,9 @@ struct State {
 const HANDOFF_CAPACITY: usize = 1 << 16;
 /// Most relayed items queued for publishing (a few per request; drained continuously).
 const RELAY_QUEUE: usize = 1 << 16;
+// A heartbeat lists every relayed ticket open towards one owner; a receiver refuses a longer
+// list, so the relay may never hold more.
+const _: () = assert!(HANDOFF_CAPACITY <= crate::ingest::nats::relay_wire::MAX_OBSERVING);
 
 /// Runs the EPP until a shutdown signal.
 pub fn run(args: Args) -> Result<(), AppError> {

@@ -227,7 +227,10 @@ impl Handoffs {
             }
         };
         if let Some(r) = keep {
-            self.lock().relayed.insert(request_id.to_owned(), r);
+            let old = self.lock().relayed.insert(request_id.to_owned(), r);
+            // Never anything (one loop applies relayed events); dropped outside the lock anyway,
+            // as aborting reports to the router.
+            drop(old);
         }
     }
 

@@ -31,8 +31,8 @@ pub const REPLICA_HEADER: &str = "x-kvgate-epp-replica";
 pub const RESPONSE_MODEL_HEADER: &str = "x-kvgate-response-model";
 /// Longest request id relayed (longer ones are observed without a ticket).
 pub const MAX_RELAYED_ID_BYTES: usize = 256;
-/// Longest [`RESPONSE_MODEL_HEADER`] value read.
-const MAX_MODEL_HEADER_BYTES: usize = 2048;
+/// Longest [`RESPONSE_MODEL_HEADER`] value written or read.
+pub(super) const MAX_MODEL_HEADER_BYTES: usize = 2048;
 
 /// What an observer tells a ticket's owner.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -295,13 +295,14 @@ pub fn parse_replica(value: &str) -> Option<u64> {
     u64::from_str_radix(v, 16).ok()
 }
 
-/// A [`RESPONSE_MODEL_HEADER`] value: `["served","client"]` as JSON, non-ASCII escaped, so it
-/// is a valid header value whatever the names.
-pub(super) fn encode_response_model(m: &ResponseModel) -> String {
-    let json = serde_json::to_string(&[&m.served, &m.client]).unwrap_or_default();
+/// A [`RESPONSE_MODEL_HEADER`] value: `["served","client"]` as JSON, everything but printable
+/// ASCII escaped, so it is a valid header value whatever the names; `None` when longer than a
+/// receiver reads.
+pub(super) fn encode_response_model(m: &ResponseModel) -> Option<String> {
+    let json = serde_json::to_string(&[&m.served, &m.client]).ok()?;
     let mut out = String::with_capacity(json.len());
     for c in json.chars() {
-        if c.is_ascii() {
+        if (' '..='~').contains(&c) {
             out.push(c);
         } else {
             let mut units = [0u16; 2];
@@ -310,7 +311,7 @@ pub(super) fn encode_response_model(m: &ResponseModel) -> String {
             }
         }
     }
-    out
+    (out.len() <= MAX_MODEL_HEADER_BYTES).then_some(out)
 }
 
 /// Reads a [`RESPONSE_MODEL_HEADER`] value; `None` when malformed or too long.
@@ -436,13 +437,22 @@ mod tests {
     #[test]
     fn model_names_survive_the_header_in_ascii() {
         let m = ResponseModel {
-            served: "llama-3.1-8b\"x\\".into(),
+            served: "llama-3.1-8b\"x\\\u{7f}".into(),
             client: "modèle 🚀\n".into(),
         };
-        let v = encode_response_model(&m);
+        let v = encode_response_model(&m).expect("short enough");
         assert!(v.bytes().all(|b| (0x20..0x7f).contains(&b)), "{v}");
         assert_eq!(decode_response_model(&v), Some(m));
         assert_eq!(decode_response_model("[\"one\"]"), None);
         assert_eq!(decode_response_model(&"a".repeat(4096)), None);
+        let long = ResponseModel {
+            served: "s".repeat(MAX_MODEL_HEADER_BYTES),
+            client: "c".into(),
+        };
+        assert_eq!(
+            encode_response_model(&long),
+            None,
+            "never longer than a receiver reads"
+        );
     }
 }

@@ -80,34 +80,62 @@ pub(super) async fn run_relay(
     let mut heartbeat = tokio::time::interval(config.heartbeat);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut batch = Vec::new();
+    let publish_batch = |batch: Vec<Outgoing>| {
+        let (client, stats, namespace, pool) = (&client, &stats, &namespace, &pool);
+        async move {
+            let mut by_owner: Vec<(u64, Vec<WireItem>)> = Vec::new();
+            for item in batch {
+                let owner = item.owner();
+                let wire = WireItem::from_outgoing(item);
+                match by_owner.iter_mut().find(|(o, _)| *o == owner) {
+                    Some((_, items)) => items.push(wire),
+                    None => by_owner.push((owner, vec![wire])),
+                }
+            }
+            for (owner, items) in by_owner {
+                let subject = subject::handoff(namespace, pool, owner);
+                for msg in split(own, items, MESSAGE_BYTES) {
+                    let sent = publish(client, &subject, &msg).await;
+                    add(
+                        if sent {
+                            &stats.relay_messages_sent
+                        } else {
+                            &stats.relay_publish_failed
+                        },
+                        1,
+                    );
+                }
+            }
+        }
+    };
     loop {
         tokio::select! {
-            _ = stop.changed() => break,
+            _ = stop.changed() => {
+                // The ends of streams that finished while draining are still queued: send them,
+                // or their owners count those responses lost.
+                let mut rest = Vec::new();
+                while let Ok(item) = config.outbox.try_recv() {
+                    rest.push(item);
+                }
+                publish_batch(rest).await;
+                break;
+            }
             _ = heartbeat.tick() => relay.heartbeat(),
             n = config.outbox.recv_many(&mut batch, PASS_ITEMS) => {
                 if n == 0 {
                     break;
                 }
-                let mut by_owner: Vec<(u64, Vec<WireItem>)> = Vec::new();
-                for item in batch.drain(..) {
-                    let owner = item.owner();
-                    let wire = WireItem::from_outgoing(item);
-                    match by_owner.iter_mut().find(|(o, _)| *o == owner) {
-                        Some((_, items)) => items.push(wire),
-                        None => by_owner.push((owner, vec![wire])),
-                    }
-                }
-                for (owner, items) in by_owner {
-                    let subject = subject::handoff(&namespace, &pool, owner);
-                    for msg in split(own, items, MESSAGE_BYTES) {
-                        let sent = publish(&client, &subject, &msg).await;
-                        add(if sent { &stats.relay_messages_sent } else { &stats.relay_publish_failed }, 1);
-                    }
-                }
+                publish_batch(std::mem::take(&mut batch)).await;
             }
             Some(m) = inbox.next() => {
                 let msg = match RelayMessage::decode(&m.payload) {
-                    Ok(msg) => msg,
+                    Ok((msg, dropped)) => {
+                        if dropped > 0 {
+                            add(&stats.malformed, dropped as u64);
+                            tracing::debug!(dropped, "relay items over their bounds dropped");
+                        }
+                        msg
+                    }
                     Err(e) => {
                         add(&stats.malformed, 1);
                         tracing::debug!(error = %e, kind = e.metric_label(), "relay message refused");

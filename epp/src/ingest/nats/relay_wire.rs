@@ -87,6 +87,8 @@ impl WireItem {
                 match event {
                     RelayEvent::Claim => Self::Claim { id },
                     RelayEvent::Report(ResponseEvent::Headers { status, served }) => {
+                        // An endpoint name longer than any `ip:port` is not worth the item.
+                        let served = served.filter(|s| s.len() <= MAX_RELAYED_ID_BYTES);
                         Self::Headers { id, status, served }
                     }
                     RelayEvent::Report(ResponseEvent::FirstByte) => Self::FirstByte { id },
@@ -238,16 +240,19 @@ impl RelayMessage {
         rmp_serde::to_vec_named(self).map_err(RelayWireError::Encode)
     }
 
-    /// Decodes and checks the bounds.
-    pub fn decode(bytes: &[u8]) -> Result<Self, RelayWireError> {
+    /// Decodes and checks the bounds. An item over its bounds is dropped, not the message
+    /// (the others are other requests' events); the second value counts those dropped.
+    pub fn decode(bytes: &[u8]) -> Result<(Self, usize), RelayWireError> {
         bound("bytes", bytes.len(), MAX_RELAY_BYTES)?;
-        let m: Self = rmp_serde::from_slice(bytes).map_err(RelayWireError::Decode)?;
+        let mut m: Self = rmp_serde::from_slice(bytes).map_err(RelayWireError::Decode)?;
         if m.v != RELAY_VERSION {
             return Err(RelayWireError::Version(m.v));
         }
         bound("items", m.items.len(), MAX_RELAY_ITEMS)?;
-        m.items.iter().try_for_each(WireItem::check)?;
-        Ok(m)
+        let before = m.items.len();
+        m.items.retain(|item| item.check().is_ok());
+        let dropped = before - m.items.len();
+        Ok((m, dropped))
     }
 
     /// The items, as the handoff table takes them.
@@ -325,8 +330,8 @@ mod tests {
             ids: vec![1, u64::MAX],
         }));
         let msg = RelayMessage::new(42, items);
-        let back = RelayMessage::decode(&msg.encode().unwrap()).unwrap();
-        assert_eq!(back, msg);
+        let (back, dropped) = RelayMessage::decode(&msg.encode().unwrap()).unwrap();
+        assert_eq!((&back, dropped), (&msg, 0));
         let received: Vec<Received> = back.into_received().collect();
         let mut want: Vec<Received> = every_event()
             .into_iter()
@@ -338,10 +343,32 @@ mod tests {
 
     #[test]
     fn bounds_and_versions_are_enforced() {
+        // An item over its bounds is dropped; the rest of the message stands.
         let long = "x".repeat(MAX_RELAYED_ID_BYTES + 1);
-        let msg = RelayMessage::new(1, vec![WireItem::End { id: long }]);
-        let err = RelayMessage::decode(&msg.encode().unwrap()).unwrap_err();
-        assert_eq!(err.metric_label(), "too_large");
+        let msg = RelayMessage::new(
+            1,
+            vec![
+                WireItem::End { id: long.clone() },
+                WireItem::End { id: "ok".into() },
+                WireItem::Headers {
+                    id: "ok".into(),
+                    status: 200,
+                    served: Some(long.clone()),
+                },
+            ],
+        );
+        let (back, dropped) = RelayMessage::decode(&msg.encode().unwrap()).unwrap();
+        assert_eq!(dropped, 2);
+        assert_eq!(back.items, [WireItem::End { id: "ok".into() }]);
+        // The sender leaves out a served endpoint too long to send.
+        let item = WireItem::from_outgoing(event(
+            "r",
+            RelayEvent::Report(ResponseEvent::Headers {
+                status: 200,
+                served: Some(long),
+            }),
+        ));
+        assert!(matches!(item, WireItem::Headers { served: None, .. }));
 
         let mut msg = RelayMessage::new(1, vec![]);
         msg.v = 2;
@@ -386,7 +413,7 @@ mod tests {
                 prop_assert!(m.items.len() == 1 || size <= max_bytes);
                 let bytes = m.encode().unwrap();
                 prop_assert!(bytes.len() <= MAX_RELAY_BYTES);
-                back.extend(RelayMessage::decode(&bytes).unwrap().items);
+                back.extend(RelayMessage::decode(&bytes).unwrap().0.items);
             }
             prop_assert_eq!(back, items);
         }
