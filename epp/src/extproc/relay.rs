@@ -95,6 +95,8 @@ pub struct RelayStats {
 /// The observer side of relaying: this replica's id, the queue, and the relayed tickets open.
 pub struct Relay {
     replica: u64,
+    /// `replica` as [`REPLICA_HEADER`] carries it.
+    header: String,
     sink: Arc<dyn RelaySink>,
     capacity: usize,
     /// Open relayed tickets by owner. Items are queued under this lock.
@@ -118,6 +120,7 @@ impl Relay {
     pub fn new(replica: u64, sink: Arc<dyn RelaySink>, capacity: usize) -> Self {
         Self {
             replica,
+            header: replica_header_value(replica),
             sink,
             capacity: capacity.max(1),
             open: Mutex::new(HashMap::new()),
@@ -132,9 +135,10 @@ impl Relay {
         self.replica
     }
 
-    /// This replica's id as [`REPLICA_HEADER`] carries it.
-    pub fn header_value(&self) -> String {
-        replica_header_value(self.replica)
+    /// This replica's id as [`REPLICA_HEADER`] carries it (formatted once: every routed
+    /// request sends it).
+    pub fn header_value(&self) -> &str {
+        &self.header
     }
 
     /// Opens a relayed ticket for `request_id`, routed by `owner`: queues its claim. `None` when

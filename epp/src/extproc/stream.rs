@@ -737,7 +737,7 @@ impl ExtProcStream {
         }
         // An observer stream on another replica relays the response's events back here.
         if let Some(relay) = self.handoffs.as_ref().and_then(|h| h.relay()) {
-            set_headers.push(set(REPLICA_HEADER, &relay.header_value()));
+            set_headers.push(set(REPLICA_HEADER, relay.header_value()));
             if let Some(value) = response_model.as_ref().and_then(encode_response_model) {
                 set_headers.push(set(RESPONSE_MODEL_HEADER, &value));
             }
