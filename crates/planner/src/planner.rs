@@ -32,6 +32,10 @@ pub const STALE_INTERVALS: f64 = 4.0;
 /// Latencies above this multiple of the SLO are kept out of the load model's regressions.
 const OVERLOAD: f64 = 2.0;
 
+/// In a disaggregated pool, an interval's ITL is taken as late news when the requests on the
+/// decode engines fit in this share of the ready decode replicas at the objective.
+const STALE_ITL_SHARE: f64 = 0.5;
+
 /// The throughput model's correction factors: observed / expected latency, smoothed and
 /// bounded (1 = the profile is right).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -246,6 +250,24 @@ impl Planner {
             && m.itl_ms.is_some_and(|itl| itl > self.config.slo.itl_ms)
     }
 
+    /// Whether, in a disaggregated pool, the interval's ITL is late news: an interval's ITL is
+    /// that of the requests that completed in it, which with long answers started minutes ago.
+    /// When the requests decoding now fit in [`STALE_ITL_SHARE`] of the ready replicas at the
+    /// objective (the profile's sequences by Little's law, corrected), a missed ITL is an
+    /// earlier overload's: it neither adds replicas, nor holds them, nor is remembered as a
+    /// miss at today's load per replica.
+    fn decode_itl_stale(&self, m: &Metrics, ready_decode: u32) -> bool {
+        let (Some(p), Some(n)) = (&self.config.profile, m.decode_requests) else {
+            return false;
+        };
+        let context = m.isl_tokens + m.osl_tokens / 2.0;
+        let sequences =
+            p.decode_sequences(self.config.slo.itl_ms / self.corrections.decode, context);
+        self.prefill_role() != self.decode_role()
+            && ready_decode > 0
+            && n <= STALE_ITL_SHARE * f64::from(ready_decode) * sequences
+    }
+
     /// The time of the latest observation (0 before any).
     fn now(&self) -> f64 {
         self.last_at.unwrap_or(0.0)
@@ -434,7 +456,8 @@ impl Planner {
                 self.corrections.prefill = smooth(self.corrections.prefill, ttft / expected);
             }
         }
-        if let (true, Some(itl)) = (ready_decode > 0, m.itl_ms) {
+        let itl_stale = self.decode_itl_stale(m, ready_decode);
+        if let (true, false, Some(itl)) = (ready_decode > 0, itl_stale, m.itl_ms) {
             let y = observed.decode_tokens_per_s() / f64::from(ready_decode);
             if itl > slo.itl_ms {
                 self.itl_missed.record(y, now, t.miss_memory_s);
@@ -527,7 +550,7 @@ impl Planner {
                 .fit()
                 .and_then(|l| l.load_at(slo.itl_ms))
                 .map(|c| load.decode_tokens_per_s() * slo.itl_ms / 1000.0 / c),
-            observed: m.itl_ms,
+            observed: m.itl_ms.filter(|_| !self.decode_itl_stale(m, ready)),
             target: slo.itl_ms,
             fewer_load: load.decode_tokens_per_s() / fewer,
             missed_at: self
@@ -871,6 +894,31 @@ mod tests {
         m.decode_requests = Some(60.0);
         planner.plan(&obs(30.0, Some(m), 3, 2));
         assert!(planner.corrections().decode > 1.0);
+    }
+
+    #[test]
+    fn a_late_itl_miss_neither_adds_nor_holds_decode_replicas() {
+        // Five decode replicas carry 5 × 52.4 sequences at the objective. The requests that
+        // completed in the interval missed the ITL objective (80 ms: they decoded through an
+        // earlier overload), but only 40 requests are on the decode engines now.
+        let mut m = metrics(2.0, 1000.0, 100.0);
+        m.itl_ms = Some(80.0);
+        m.decode_requests = Some(40.0);
+        let mut planner = Planner::new(config(Mode::Both)).unwrap();
+        let d = planner.plan(&obs(0.0, Some(m), 1, 5));
+        assert!(d.desired[&Role::Decode] <= 5, "{d:?}");
+        assert!((planner.corrections().decode - 1.0).abs() < 1e-9);
+        assert!(
+            planner.itl_missed.load(0.0, 600.0).is_none(),
+            "no miss remembered"
+        );
+        // The same ITL with more than half of what the engines batch on them is today's: one
+        // more replica (the load model; by the profile two would do).
+        m.decode_requests = Some(140.0);
+        let mut planner = Planner::new(config(Mode::Both)).unwrap();
+        let d = planner.plan(&obs(0.0, Some(m), 1, 5));
+        assert!(d.desired[&Role::Decode] == 6, "{d:?}");
+        assert!(planner.itl_missed.load(0.0, 600.0).is_some());
     }
 
     #[test]

@@ -506,9 +506,10 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     /// Without a budget, each role's decision is the naive model's answer for the
-    /// recommendations the planner reports.
+    /// recommendations the planner reports, in every mode.
     #[test]
     fn stabilisation_and_lifetime_match_the_naive_model(
+        mode in mode(),
         window in prop_oneof![Just(0.0), Just(45.0), Just(90.0), Just(300.0)],
         lifetime in prop_oneof![Just(0.0), Just(30.0), Just(100.0)],
         steps in proptest::collection::vec(
@@ -517,9 +518,10 @@ proptest! {
         ),
         follow in proptest::collection::vec(any::<bool>(), 80),
     ) {
-        let mut c = pd_config(Mode::Throughput, PredictorKind::Constant);
+        let mut c = pd_config(mode, PredictorKind::Constant);
         c.scale_down_stabilization_s = window;
         c.min_replica_lifetime_s = lifetime;
+        let config_roles = c.roles.clone();
         let mut planner = Planner::new(c).unwrap();
         let mut naive: BTreeMap<Role, Naive> =
             [(Role::Prefill, Naive::default()), (Role::Decode, Naive::default())].into();
@@ -529,12 +531,13 @@ proptest! {
             at += dt;
             let obs = Observation {
                 at_s: at,
+                // Latencies rising with the load per replica, so the load model has a fit.
                 metrics: Some(Metrics {
                     rps,
                     isl_tokens: isl,
                     osl_tokens: 200.0,
-                    ttft_ms: None,
-                    itl_ms: None,
+                    ttft_ms: Some(100.0 + 0.2 * rps * isl / f64::from(current[&Role::Prefill].max(1))),
+                    itl_ms: Some(10.0 + 0.01 * rps * 200.0 / f64::from(current[&Role::Decode].max(1))),
                     queue_depth: None,
                     decode_requests: None,
                 }),
@@ -544,7 +547,10 @@ proptest! {
             let d = planner.plan(&obs);
             for (role, rd) in &d.roles {
                 let model = naive.get_mut(role).unwrap();
-                let want = model.decide(at, rd.current, rd.recommended, window, lifetime);
+                let l = config_roles[role];
+                let want = model
+                    .decide(at, rd.current, rd.recommended, window, lifetime)
+                    .clamp(l.min_replicas, l.max_replicas);
                 prop_assert_eq!(rd.desired, want, "{} at {}", role, at);
                 if rd.desired > rd.current {
                     model.increases.push(at);
