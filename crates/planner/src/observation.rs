@@ -50,6 +50,15 @@ impl Metrics {
             .all(ok)
             && (self.rps == 0.0 || (self.isl_tokens > 0.0 && self.osl_tokens > 0.0))
     }
+
+    /// The load the interval observed: its request rate and mean lengths.
+    pub fn load(&self) -> Load {
+        Load {
+            rps: self.rps,
+            isl_tokens: self.isl_tokens,
+            osl_tokens: self.osl_tokens,
+        }
+    }
 }
 
 /// One interval's observation.

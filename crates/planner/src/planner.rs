@@ -260,9 +260,10 @@ impl Planner {
         let (Some(p), Some(n)) = (&self.config.profile, m.decode_requests) else {
             return false;
         };
-        let context = m.isl_tokens + m.osl_tokens / 2.0;
-        let sequences =
-            p.decode_sequences(self.config.slo.itl_ms / self.corrections.decode, context);
+        let sequences = p.decode_sequences(
+            self.config.slo.itl_ms / self.corrections.decode,
+            m.load().decode_context(),
+        );
         self.prefill_role() != self.decode_role()
             && ready_decode > 0
             && n <= STALE_ITL_SHARE * f64::from(ready_decode) * sequences
@@ -422,11 +423,7 @@ impl Planner {
         }
         let slo = self.config.slo;
         let t = self.config.tuning;
-        let observed = Load {
-            rps: m.rps,
-            isl_tokens: m.isl_tokens,
-            osl_tokens: m.osl_tokens,
-        };
+        let observed = m.load();
         let smooth = |c: f64, ratio: f64| {
             if ratio.is_finite() && ratio > 0.0 {
                 (c + t.correction_smoothing * (ratio - c))
