@@ -18,7 +18,8 @@
 //!
 //! Run: `cargo bench -p kvgate-epp --bench decision` (`-- 8k` or `-- 100k` for one size,
 //! `-- breakdown` for the stages of a warm 8k decision timed alone, `-- profile` for 1,000 warm
-//! 8k decisions to attach a profiler to).
+//! 8k decisions to attach a profiler to, `-- added` for what added tokens in a prompt cost its
+//! keying).
 //!
 //! Tracing (`KVGATE_BENCH_TRACE`): unset, no subscriber at all; `off`, the EPP's own subscriber
 //! with tracing off (its default: the log only, request spans disabled); `otlp`, the EPP's
@@ -674,6 +675,55 @@ fn breakdown(dir: &Path) {
     });
 }
 
+/// What added tokens in a prompt cost its keying (`-- added`): 50 completions prompts of ~12 KB
+/// with an added token after every 16 words (`<|fim_prefix|>`, as a fill-in-the-middle client
+/// sends; a client may send any), each keyed once, cold, through `Keyer::key` (the EPP's
+/// chunked path), against the same prompts with the token spelled as plain text of the same
+/// length. The ratio is the price of the added tokens.
+fn added_tokens(dir: &Path) {
+    use kvgate_epp::routing::request::{Api, parse};
+    const TOKEN: &str = "<|fim_prefix|>";
+    const PLAIN: &str = "<fim-prefix.>.";
+    let mut rng = Rng(0xf1a);
+    let with: Vec<String> = (0..50)
+        .map(|_| (0..100).map(|_| rng.text(16) + TOKEN).collect())
+        .collect();
+    let without: Vec<String> = with.iter().map(|p| p.replace(TOKEN, PLAIN)).collect();
+    let key_all = |prompts: &[String]| {
+        let keyer = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL).with_model(
+            MODEL,
+            ModelTokenizer::new(tokenize::TextTokenizer::from_dir(dir).unwrap(), 256 << 20),
+        );
+        let mut took: Vec<Duration> = prompts
+            .iter()
+            .map(|p| {
+                let body = serde_json::to_vec(&json!({"model": MODEL, "prompt": p})).unwrap();
+                let parsed = parse(Api::Completions, &body).unwrap();
+                let c = thread_cpu();
+                let keyed = keyer.key(&parsed).unwrap();
+                let cpu = thread_cpu().saturating_sub(c);
+                assert!(!keyed.keys.is_empty());
+                cpu
+            })
+            .collect();
+        took.sort_unstable();
+        took[took.len() / 2].as_secs_f64() * 1e6
+    };
+    let bytes = with.iter().map(String::len).sum::<usize>() / with.len();
+    // Alternate the two, twice, so that drift on a shared machine touches both alike.
+    let mut rows = Vec::new();
+    for _ in 0..2 {
+        rows.push((key_all(&with), key_all(&without)));
+    }
+    for (a, b) in rows {
+        println!(
+            "added tokens: ~{bytes}-byte prompts, cold Keyer::key cpu p50 {a:.1} µs with \
+             {TOKEN} every 16 words, {b:.1} µs without: {:.2}×",
+            a / b
+        );
+    }
+}
+
 /// The spans of a traced decision without the decision: a request span, the picker's work on an
 /// empty pool (parse, tokenize, pick with the scheduler's spans, first token) and the response's
 /// end, 2,000 times; the per-request CPU (run it with `KVGATE_BENCH_TRACE=otlp`).
@@ -752,6 +802,9 @@ fn main() {
     }
     if which == "spans" {
         spans_alone(&dir);
+    }
+    if which == "added" {
+        added_tokens(&dir);
     }
     if which == "tiny" {
         // A one-turn chat of a few words: the decision's fixed costs (and tracing's) alone.
