@@ -556,6 +556,7 @@ fn check(
         prop_assert_eq!(store.pinned(), model.pins.len());
         let distinct: HashSet<BlockId> = want.iter().map(|(id, _)| *id).collect();
         prop_assert_eq!(store.distinct_blocks(), distinct.len() as u64);
+        prop_assert_eq!(store.distinct_blocks_scanned(), distinct.len() as u64);
         for l in 0..2u32 {
             let n: usize = [Tier::Host, Tier::Disk, Tier::Remote]
                 .into_iter()
