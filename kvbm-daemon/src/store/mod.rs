@@ -240,15 +240,15 @@ fn held(host: &TierSet<HostBlock>, lower: &[Lower; 2], id: &BlockId) -> bool {
 }
 
 /// Uncounts, from `distinct`, the blocks of `left` (each just removed from one tier) that no
-/// tier holds any more, and empties `left`. Run right after each removal, so that a block
-/// leaving two tiers in one operation is uncounted once, when it leaves the second.
+/// tier holds any more. Run right after each removal, so that a block leaving two tiers in one
+/// operation is uncounted once, when it leaves the second.
 fn settle(
     distinct: &mut u64,
     host: &TierSet<HostBlock>,
     lower: &[Lower; 2],
-    left: &mut Vec<BlockId>,
+    left: impl IntoIterator<Item = BlockId>,
 ) {
-    for id in left.drain(..) {
+    for id in left {
         if !held(host, lower, &id) {
             *distinct = distinct.saturating_sub(1);
         }
@@ -629,7 +629,12 @@ impl BlockStore {
         }
         let mut evicted = Vec::new();
         let room = disk.make_room(bytes, &self.pins, &mut evicted, effects);
-        settle(&mut self.distinct, &self.host, &self.lower, &mut evicted);
+        settle(
+            &mut self.distinct,
+            &self.host,
+            &self.lower,
+            evicted.drain(..),
+        );
         if !room {
             run.skip(id.key, effects);
             return;
@@ -710,7 +715,12 @@ impl BlockStore {
                 run.flush(effects);
             }
             let room = lower.make_room(want, &self.pins, &mut evicted, effects);
-            settle(&mut self.distinct, &self.host, &self.lower, &mut evicted);
+            settle(
+                &mut self.distinct,
+                &self.host,
+                &self.lower,
+                evicted.drain(..),
+            );
             if !room {
                 no_room = true;
                 run.skip(key, effects);
@@ -742,7 +752,6 @@ impl BlockStore {
         let Some(victims) = self.host.victims(bytes, |id| pins.contains(id)) else {
             return false;
         };
-        let mut left: Vec<BlockId> = Vec::with_capacity(1);
         for victim in victims {
             let Some(gone) = self.host.remove(&victim) else {
                 continue;
@@ -751,8 +760,7 @@ impl BlockStore {
             effects.push(removed(victim, Tier::Host));
             self.demote(victim, gone.bytes, &gone.value, effects);
             // Demoted, it is still held; dropped, it leaves the count.
-            left.push(victim);
-            settle(&mut self.distinct, &self.host, &self.lower, &mut left);
+            settle(&mut self.distinct, &self.host, &self.lower, [victim]);
         }
         true
     }
@@ -774,7 +782,12 @@ impl BlockStore {
                 continue;
             }
             let room = lower.make_room(bytes, &self.pins, &mut evicted, effects);
-            settle(&mut self.distinct, &self.host, &self.lower, &mut evicted);
+            settle(
+                &mut self.distinct,
+                &self.host,
+                &self.lower,
+                evicted.drain(..),
+            );
             let Some(lower) = self.lower.get_mut(i).filter(|_| room) else {
                 continue;
             };
