@@ -244,11 +244,16 @@ impl Bench {
     }
 }
 
+/// A keyer as the EPP builds one, with the real tokenizer from `dir` (its own segment cache).
+fn qwen3_keyer(dir: &Path) -> Keyer {
+    let tok = tokenize::TextTokenizer::from_dir(dir).expect("tokenizer");
+    Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL)
+        .with_model(MODEL, ModelTokenizer::new(tok, 256 << 20))
+}
+
 /// The picker over a populated index.
 fn setup(dir: &Path) -> Bench {
-    let tok = tokenize::TextTokenizer::from_dir(dir).expect("tokenizer");
-    let keyer = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL)
-        .with_model(MODEL, ModelTokenizer::new(tok, 256 << 20));
+    let keyer = qwen3_keyer(dir);
     let ds = Arc::new(Datastore::new());
     let eps = (0..ENDPOINTS)
         .map(|i| {
@@ -286,9 +291,7 @@ fn setup(dir: &Path) -> Bench {
         Arc::new(LoadBook::new()),
         Arc::clone(&ds),
     );
-    let tok = tokenize::TextTokenizer::from_dir(dir).expect("tokenizer");
-    let full = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL)
-        .with_model(MODEL, ModelTokenizer::new(tok, 256 << 20));
+    let full = qwen3_keyer(dir);
     Bench {
         picker,
         index,
@@ -653,10 +656,7 @@ fn breakdown(dir: &Path) {
         let _ = kv_events::key::block_keys(kv_events::KeySeed::new(MODEL, None), &ids[i], BLOCK);
     });
     let bench = setup(dir);
-    let keyer = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL).with_model(
-        MODEL,
-        ModelTokenizer::new(tokenize::TextTokenizer::from_dir(dir).unwrap(), 256 << 20),
-    );
+    let keyer = qwen3_keyer(dir);
     let parsed: Vec<_> = bodies
         .iter()
         .map(|b| parse(Api::Chat, b).unwrap())
@@ -690,10 +690,7 @@ fn added_tokens(dir: &Path) {
         .collect();
     let without: Vec<String> = with.iter().map(|p| p.replace(TOKEN, PLAIN)).collect();
     let key_all = |prompts: &[String]| {
-        let keyer = Keyer::new(BLOCK, SaltStyle::VllmExtraKey, MODEL).with_model(
-            MODEL,
-            ModelTokenizer::new(tokenize::TextTokenizer::from_dir(dir).unwrap(), 256 << 20),
-        );
+        let keyer = qwen3_keyer(dir);
         let mut took: Vec<Duration> = prompts
             .iter()
             .map(|p| {
