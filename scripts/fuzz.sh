@@ -7,6 +7,10 @@
 #
 #   scripts/fuzz.sh [seconds] [target...]    each target for that long (default 60 s; all targets)
 #   scripts/fuzz.sh --runs N [target...]     each target until N executions (corpus replay included)
+#   scripts/fuzz.sh --fork J (seconds | --runs N) [target...]
+#                                            the same, each target as one libFuzzer run in fork
+#                                            mode: J worker processes on one shared corpus, the
+#                                            executions and the limit counted over all of them
 #
 # CI runs `scripts/fuzz.sh 30`. Prints per target the executions and exec/s libFuzzer reports,
 # and exits 1 if any target crashed (its reproducer is under fuzz/artifacts/<target>/; replay it
@@ -20,8 +24,14 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root/fuzz"
 
-usage() { sed -n '8,9p' "$root/scripts/fuzz.sh" | sed 's/^# *//' >&2; exit 2; }
+usage() { sed -n '8,13p' "$root/scripts/fuzz.sh" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 limit=(-max_total_time=60)
+fork=()
+if [ "${1:-}" = "--fork" ]; then
+  [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] || usage
+  fork=(-fork="$2")
+  shift 2
+fi
 if [ "${1:-}" = "--runs" ]; then
   [[ "${2:-}" =~ ^[0-9]+$ ]] || usage
   limit=(-runs="$2")
@@ -141,15 +151,21 @@ summary=()
 log=$(mktemp -d)
 trap 'rm -rf "$log"' EXIT
 for t in "${targets[@]}"; do
-  echo "fuzz: $t (${limit[*]})"
+  echo "fuzz: $t (${limit[*]}${fork:+ ${fork[*]}})"
   status=0
   # No leak checks: the targets keep one-time state and caches (the real tokenizer, its segment
   # cache), which libFuzzer's malloc/free count takes for a possible leak, and each check scans
   # the whole heap (it halved request_body's rate). Safe Rust leaks only on purpose.
-  fuzz run "$t" "$root/fuzz/corpus/$t" -- "${limit[@]}" -timeout=30 -detect_leaks=0 \
-    -print_final_stats=1 >"$log/$t" 2>&1 || status=$?
+  fuzz run "$t" "$root/fuzz/corpus/$t" -- "${limit[@]}" "${fork[@]}" -timeout=30 \
+    -detect_leaks=0 -print_final_stats=1 >"$log/$t" 2>&1 || status=$?
   runs=$(awk '/^stat::number_of_executed_units:/ {print $2}' "$log/$t" | tail -1)
   rate=$(awk '/^stat::average_exec_per_sec:/ {print $2}' "$log/$t" | tail -1)
+  if [ -z "$runs" ]; then
+    # Fork mode prints no final stats: its last progress line counts every worker's executions
+    # (`#N: ... exec/s: R ...`).
+    runs=$(awk '/^#[0-9]+:/ {sub(/^#/, "", $1); sub(/:$/, "", $1); n = $1} END {print n}' "$log/$t")
+    rate=$(awk '/^#[0-9]+:/ {for (i = 1; i < NF; i++) if ($i == "exec/s:") r = $(i + 1)} END {print r}' "$log/$t")
+  fi
   corpus=$(find "$root/fuzz/corpus/$t" -type f | wc -l)
   line=$(printf '%-17s %12s execs %8s exec/s  corpus %6s' "$t" "${runs:-?}" "${rate:-?}" "$corpus")
   if [ "$status" -ne 0 ]; then

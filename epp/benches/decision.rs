@@ -302,7 +302,15 @@ fn setup(dir: &Path) -> Bench {
 
 /// CPU time this thread has run (`CLOCK_THREAD_CPUTIME_ID`). The machine is shared, so wall
 /// time also counts time the thread waited for a core; CPU time does not.
+/// With `KVGATE_BENCH_NO_CPU_CLOCK` set it reads zero: rustix's vDSO set-up crashes under
+/// valgrind, which counts instructions instead (docs/benchmarks.md, "what tracing costs").
 fn thread_cpu() -> Duration {
+    thread_local! {
+        static OFF: bool = std::env::var_os("KVGATE_BENCH_NO_CPU_CLOCK").is_some();
+    }
+    if OFF.with(|off| *off) {
+        return Duration::ZERO;
+    }
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
     Duration::new(
         u64::try_from(t.tv_sec).unwrap_or(0),

@@ -135,7 +135,7 @@ fn a_proxied_request_continues_the_trace_and_hands_its_span_to_the_engine() {
     assert_eq!(proxy.parent_span_id, CALLER_SPAN);
     assert_eq!(proxy.attr("request_id"), Some("req-7"));
     assert_eq!(proxy.attr("mode"), Some("passthrough"));
-    assert_eq!(proxy.attr("http.response.status_code"), Some("200"));
+    assert_eq!(proxy.int("http.response.status_code"), Some(200));
     assert_eq!(
         header(&to_engine, "traceparent"),
         format!("00-{CALLER_TRACE}-{}-01", proxy.span_id),
@@ -211,11 +211,9 @@ fn a_migration_is_a_span_and_the_engine_that_finishes_continues_from_it() {
     assert_eq!(first.parent_span_id, CALLER_SPAN);
     assert_eq!(migrate.trace_id, CALLER_TRACE);
     assert_eq!(migrate.attr("outcome"), Some("migrated"));
-    assert_eq!(migrate.attr("attempt"), Some("1"));
+    assert_eq!(migrate.int("attempt"), Some(1));
     assert!(
-        migrate
-            .attr("generated_tokens")
-            .is_some_and(|t| t.parse::<u32>().unwrap() >= 9),
+        migrate.int("generated_tokens").is_some_and(|t| t >= 9),
         "{migrate:?}"
     );
     let second = spans

@@ -30,3 +30,11 @@ pub use setup::{InitError, Telemetry, dispatch, init};
 
 /// The `tracing` target of every span exported as part of a request's trace.
 pub const TARGET: &str = "kvgate::trace";
+
+/// A count, size or status code as a span attribute. OpenTelemetry's integers are signed 64-bit,
+/// and the exporter's layer takes an unsigned `tracing` value (`u16` to `u64`, `usize`) as text,
+/// formatted per record: record such values through this, so they arrive as integers and cost
+/// no formatting. Values past `i64::MAX` saturate.
+pub fn int<T: TryInto<i64>>(value: T) -> i64 {
+    value.try_into().unwrap_or(i64::MAX)
+}

@@ -28,6 +28,8 @@ pub struct ReceivedSpan {
     pub parent_span_id: String,
     /// Attributes, values rendered as text.
     pub attributes: Vec<(String, String)>,
+    /// The attributes whose values are integers (OTLP `int_value`), also in `attributes`.
+    pub ints: Vec<(String, i64)>,
     /// Event names, in order.
     pub events: Vec<String>,
     /// End minus start, in nanoseconds.
@@ -41,6 +43,11 @@ impl ReceivedSpan {
             .iter()
             .find(|(k, _)| k == key)
             .map(|(_, v)| v.as_str())
+    }
+
+    /// An attribute's value if it was exported as an integer (not as text).
+    pub fn int(&self, key: &str) -> Option<i64> {
+        self.ints.iter().find(|(k, _)| k == key).map(|&(_, v)| v)
     }
 }
 
@@ -95,6 +102,16 @@ impl TraceService for Service {
                                 text(kv.value.as_ref().and_then(|v| v.value.as_ref())),
                             )
                         })
+                        .collect(),
+                    ints: span
+                        .attributes
+                        .iter()
+                        .filter_map(
+                            |kv| match kv.value.as_ref().and_then(|v| v.value.as_ref()) {
+                                Some(Value::IntValue(i)) => Some((kv.key.clone(), *i)),
+                                _ => None,
+                            },
+                        )
                         .collect(),
                     events: span.events.into_iter().map(|e| e.name).collect(),
                     duration_nanos: span

@@ -146,12 +146,16 @@ pub fn dispatch(
         .with_sampler(Sampler::ParentBased(Box::new(Sampler::AlwaysOn)))
         .with_resource(Resource::builder().with_service_name(name).build())
         .build();
-    // A request's spans say what happened to the request: the source location, thread and
-    // busy/idle split of each span would cost allocations per span and tell an operator
-    // nothing (measured: docs/benchmarks.md, "what tracing costs a decision").
+    // A request's spans say what happened to the request: the source location, thread, target
+    // and busy/idle split of each span would cost allocations per span and tell an operator
+    // nothing (measured: docs/benchmarks.md, "what tracing costs a decision"). Nothing in
+    // kvgate reads OpenTelemetry's current context (parents come from `tracing`'s span tree,
+    // trace headers from the span itself), so entering a span does not activate its context.
     let traces = tracing_opentelemetry::layer()
         .with_location(false)
         .with_threads(false)
+        .with_target(false)
+        .with_context_activation(false)
         .with_tracked_inactivity(false)
         .with_tracer(provider.tracer(service.to_owned()))
         .with_filter(Targets::new().with_target(TARGET, tracing::Level::INFO));

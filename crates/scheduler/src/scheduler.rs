@@ -135,7 +135,9 @@ impl Scheduler {
             .metadata()
             .is_some_and(|m| m.target() == TRACE_TARGET);
         let looking_up = if traced {
-            tracing::info_span!(target: "kvgate::trace", "index_lookup", candidates = eligible.len())
+            // An `i64`, not a `usize`: OpenTelemetry's layer takes unsigned values as text.
+            let candidates = i64::try_from(eligible.len()).unwrap_or(i64::MAX);
+            tracing::info_span!(target: "kvgate::trace", "index_lookup", candidates)
         } else {
             tracing::Span::none()
         }

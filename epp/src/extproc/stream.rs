@@ -174,7 +174,8 @@ impl Ticket {
     fn report(&self, event: ResponseEvent) {
         debug_assert!(!event.is_terminal());
         if let ResponseEvent::Headers { status, .. } = &event {
-            self.span.record("http.response.status_code", status);
+            self.span
+                .record("http.response.status_code", otel::int(*status));
         }
         if let Some(sink) = &self.sink {
             sink.report(&self.span, event);
@@ -662,7 +663,7 @@ impl ExtProcStream {
         );
         self.request = RequestPhase::Refused;
         self.span
-            .record("http.response.status_code", refusal.status);
+            .record("http.response.status_code", otel::int(refusal.status));
         self.span.record("outcome", refusal.reason);
         vec![refusal.into_response(self.request_id.as_deref())]
     }

@@ -18,6 +18,10 @@ use crate::routing::picker::Picker;
 
 const CALLER_TRACE: &str = "5b8efff798038103d269b633813fc60c";
 const CALLER_SPAN: &str = "eee19b7ec3c1b174";
+/// The traced request's body, and the prompt tokens its response's usage reports.
+const BODY: &[u8] =
+    br#"{"model":"m","prompt":"one two three four five six seven eight nine","stream":true}"#;
+const PROMPT_TOKENS: i64 = 9;
 
 fn picker() -> Picker {
     let ds = Arc::new(Datastore::new());
@@ -69,8 +73,7 @@ fn one_request(
         let mut first = req_headers(&head, false);
         first.protocol_config = duplex();
         assert!(s.on_message(first).unwrap().is_empty());
-        let body = br#"{"model":"m","prompt":"one two three four five six seven eight nine","stream":true}"#;
-        let out = s.on_message(req_body(body, true)).unwrap();
+        let out = s.on_message(req_body(BODY, true)).unwrap();
         let set = set_headers(&out[0]);
         s.on_message(resp_headers("200", "text/event-stream", false, None))
             .unwrap();
@@ -124,8 +127,10 @@ fn a_traced_request_continues_the_callers_trace_through_every_stage() {
     assert_eq!(request.parent_span_id, CALLER_SPAN);
     assert_eq!(request.attr("request_id"), Some("req-traced"));
     assert_eq!(request.attr("outcome"), Some("completed"));
-    assert_eq!(request.attr("http.response.status_code"), Some("200"));
-    assert_eq!(request.attr("completion_tokens"), Some("4"));
+    // Counts and codes are exported as integers, not as text.
+    assert_eq!(request.int("http.response.status_code"), Some(200));
+    assert_eq!(request.int("completion_tokens"), Some(4));
+    assert_eq!(request.int("prompt_tokens"), Some(PROMPT_TOKENS));
     let ttft: f64 = request.attr("ttft_ms").unwrap().parse().unwrap();
     let itl: f64 = request.attr("itl_ms").unwrap().parse().unwrap();
     assert!(
@@ -147,15 +152,22 @@ fn a_traced_request_continues_the_callers_trace_through_every_stage() {
         assert_eq!(named(&spans, stage).parent_span_id, pick.span_id, "{stage}");
     }
     let tokenize = named(&spans, "tokenize");
-    assert!(tokenize.attr("prompt_tokens").is_some_and(|t| t != "0"));
+    assert!(tokenize.int("prompt_tokens").is_some_and(|t| t > 0));
+    assert!(tokenize.int("prompt_blocks").is_some());
     assert_eq!(tokenize.attr("stopped_early"), Some("false"));
+    assert_eq!(
+        named(&spans, "parse").int("body_bytes"),
+        Some(BODY.len() as i64)
+    );
+    assert!(pick.int("candidates").is_some_and(|c| c > 0));
+    assert!(named(&spans, "index_lookup").int("candidates").is_some());
     let primary = pick.attr("endpoint").unwrap();
     assert!(primary.starts_with("10.0.0."), "{primary}");
     assert!(
         request.attr("endpoints").unwrap().starts_with(primary),
         "the primary, then its fallbacks"
     );
-    assert_eq!(named(&spans, "decode").attr("completion_tokens"), Some("4"));
+    assert_eq!(named(&spans, "decode").int("completion_tokens"), Some(4));
 
     // The engine's parent is this request's span, sampled as the caller asked.
     assert_eq!(

@@ -353,10 +353,13 @@ impl Picker {
                 };
                 (r, model.clone())
             })?;
-        tokenizing.record("prompt_tokens", keyed.prompt_tokens);
-        tokenizing.record("tokenized_tokens", keyed.tokenized);
-        tokenizing.record("prompt_blocks", keyed.prompt_blocks);
-        tokenizing.record("stopped_early", keyed.stopped_early);
+        tracing::record_all!(
+            tokenizing,
+            prompt_tokens = otel::int(keyed.prompt_tokens),
+            tokenized_tokens = otel::int(keyed.tokenized),
+            prompt_blocks = otel::int(keyed.prompt_blocks),
+            stopped_early = keyed.stopped_early,
+        );
         drop(tokenizing);
         let served = target.unwrap_or_else(|| model.clone());
         Ok(Prepared {
@@ -439,12 +442,12 @@ impl Router for Picker {
             .on_scheduled(scheduled.is_ok(), scheduling.elapsed());
         if let Ok(r) = &scheduled {
             let d = &r.decision;
-            picking.record("endpoint", tracing::field::display(&d.primary.address));
-            picking.record("reason", d.reason.as_str());
-            picking.record("prompt_blocks", d.prompt_blocks);
-            picking.record(
-                "cached_blocks",
-                d.prompt_blocks.saturating_sub(d.uncached_blocks),
+            tracing::record_all!(
+                picking,
+                endpoint = %d.primary.address,
+                reason = d.reason.as_str(),
+                prompt_blocks = otel::int(d.prompt_blocks),
+                cached_blocks = otel::int(d.prompt_blocks.saturating_sub(d.uncached_blocks)),
             );
         }
         drop(picking);

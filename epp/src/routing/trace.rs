@@ -25,7 +25,7 @@ pub(super) fn parse(traced: bool, body_bytes: usize) -> Span {
     if !traced {
         return Span::none();
     }
-    tracing::info_span!(target: otel::TARGET, "parse", body_bytes)
+    tracing::info_span!(target: otel::TARGET, "parse", body_bytes = otel::int(body_bytes))
 }
 
 /// Around tokenizing and keying; records what the keyer did.
@@ -51,7 +51,7 @@ pub(super) fn pick(traced: bool, candidates: usize) -> Span {
     tracing::info_span!(
         target: otel::TARGET,
         "pick",
-        candidates,
+        candidates = otel::int(candidates),
         endpoint = tracing::field::Empty,
         reason = tracing::field::Empty,
         prompt_blocks = tracing::field::Empty,
@@ -109,17 +109,17 @@ impl ResponseTrace {
         if self.request.is_disabled() {
             return;
         }
-        if let Some((prompt, completion, cached)) = done.usage {
-            self.request.record("prompt_tokens", prompt);
-            self.request.record("completion_tokens", completion);
-            self.phase.record("completion_tokens", completion);
-            if let Some(c) = cached {
-                self.request.record("cached_tokens", c);
-            }
-        }
-        if let Some(itl) = done.itl_seconds() {
-            self.request.record("itl_ms", itl * 1e3);
-            self.phase.record("itl_ms", itl * 1e3);
-        }
+        // One record per span (each is a dispatch through the subscriber); `None` records nothing.
+        let usage = done.usage;
+        let completion = usage.map(|(_, c, _)| otel::int(c));
+        let itl_ms = done.itl_seconds().map(|itl| itl * 1e3);
+        tracing::record_all!(
+            self.request,
+            prompt_tokens = usage.map(|(p, _, _)| otel::int(p)),
+            completion_tokens = completion,
+            cached_tokens = usage.and_then(|(_, _, c)| c).map(otel::int),
+            itl_ms = itl_ms,
+        );
+        tracing::record_all!(self.phase, completion_tokens = completion, itl_ms = itl_ms);
     }
 }

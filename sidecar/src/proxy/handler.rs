@@ -117,7 +117,10 @@ pub async fn handle(
         e.into_response()
     });
     state.metrics.request(mode, resp.status().as_u16());
-    trace.record("http.response.status_code", resp.status().as_u16());
+    trace.record(
+        "http.response.status_code",
+        otel::int(resp.status().as_u16()),
+    );
     resp
 }
 

@@ -218,8 +218,8 @@ impl Pump<'_> {
                     parent: parent,
                     "migrate",
                     %target,
-                    attempt = self.attempts,
-                    generated_tokens = self.progress.tokens,
+                    attempt = otel::int(self.attempts),
+                    generated_tokens = otel::int(self.progress.tokens),
                     why,
                     outcome = tracing::field::Empty,
                 )
