@@ -19,7 +19,7 @@
 //! Run: `cargo bench -p kvgate-epp --bench decision` (`-- 8k` or `-- 100k` for one size,
 //! `-- breakdown` for the stages of a warm 8k decision timed alone, `-- profile` for 1,000 warm
 //! 8k decisions to attach a profiler to, `-- added` for what added tokens in a prompt cost its
-//! keying).
+//! keying, `-- unicode` for what Chinese and multilingual prompts cost it against English).
 //!
 //! Tracing (`KVGATE_BENCH_TRACE`): unset, no subscriber at all; `off`, the EPP's own subscriber
 //! with tracing off (its default: the log only, request spans disabled); `otlp`, the EPP's
@@ -168,7 +168,54 @@ impl Rng {
         }
         s
     }
+
+    /// About `bytes` bytes of Chinese: characters drawn from 498 common ones, a
+    /// comma every 6–17 of them and a full stop every few clauses.
+    fn chinese(&mut self, bytes: usize) -> String {
+        let pool: Vec<char> = ZH.chars().collect();
+        let mut s = String::with_capacity(bytes + 8);
+        while s.len() < bytes {
+            for _ in 0..6 + self.next() % 12 {
+                s.push(pool[(self.next() % pool.len() as u64) as usize]);
+            }
+            s.push(if self.next().is_multiple_of(3) {
+                '。'
+            } else {
+                '，'
+            });
+        }
+        s
+    }
+
+    /// About `bytes` bytes alternating English words, Chinese clauses, Russian and accented
+    /// words, numbers and emoji: what a multilingual chat holds.
+    fn mixed(&mut self, bytes: usize) -> String {
+        const OTHER: [&str; 8] = [
+            "Привет",
+            "мир",
+            "résumé",
+            "naïve",
+            "café",
+            "Straße",
+            "😀",
+            "über",
+        ];
+        let mut s = String::with_capacity(bytes + 64);
+        while s.len() < bytes {
+            match self.next() % 4 {
+                0 => s.push_str(&self.text(4)),
+                1 => s.push_str(&self.chinese(12)),
+                2 => s.push_str(OTHER[(self.next() % OTHER.len() as u64) as usize]),
+                _ => s.push_str(&format!("{}年", 1900 + self.next() % 130)),
+            }
+            s.push(' ');
+        }
+        s
+    }
 }
+
+/// Common Chinese characters, for [`Rng::chinese`].
+const ZH: &str = "的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出就分对成会可主发年动同工也能下过子说产种面而方后多定行学法所民得经十三之进着等部度家电力里如水化高自二理起小物现实加量都两体制机当使点从业本去把性好应开它合还因由其些然前外天政四日那社义事平形相全表间样与关各重新线内数正心反你明看原又么利比或但质气第向道命此变条只没结解问意建月公无系军很情者最立代想已通并提直题党程展五果料象员革位入常文总次品式活设及管特件长求老头基资边流路级少图山统接知较将组见计别她手角期根论运农指几九区强放决西被干做必战先回则任取据处队南给色光门即保治北造百规热领七海口东导器压志世金增争济阶油思术极交受联什认六共权收证改清己美再采转更单风切打白教速花带安场身车例真务具万每目至达走积示议声报斗完类八离华名确才科张信马节话米整空元况今集温传土许步群广石记需段研界拉林律叫且究观越织装影算低持音众书布复容儿须际商非验连断深难近矿千周委素技备半办青省列习响约支般史感劳便团往酸历市克何除消构府称太准精值号率族维划选标写存候毛亲快效斯院查江型眼王按格养易置派层片始却专状育厂京识适属圆包火住调满县局照参红细引听该铁价严";
 
 /// A conversation of `turns` user/assistant pairs and a final user turn of `last` words.
 fn conversation(
@@ -729,6 +776,54 @@ fn added_tokens(dir: &Path) {
     }
 }
 
+/// What a prompt's script costs its keying: the cold `Keyer::key` CPU p50 of 50 ~12-KB prompts
+/// each of English, Chinese and a multilingual mix (each prompt new to the keyer), and the
+/// non-English ones' cost per byte against English's. Two rounds, the three alternating.
+fn unicode(dir: &Path) {
+    use kvgate_epp::routing::request::{Api, parse};
+    const BYTES: usize = 12_000;
+    let mut rng = Rng(0x0123_4567);
+    let sets: [(&str, Vec<String>); 3] = [
+        ("English", (0..50).map(|_| rng.text(BYTES / 6)).collect()),
+        ("Chinese", (0..50).map(|_| rng.chinese(BYTES)).collect()),
+        ("mixed", (0..50).map(|_| rng.mixed(BYTES)).collect()),
+    ];
+    let key_all = |prompts: &[String]| {
+        let keyer = qwen3_keyer(dir);
+        let mut took: Vec<Duration> = prompts
+            .iter()
+            .map(|p| {
+                let body = serde_json::to_vec(&json!({"model": MODEL, "prompt": p})).unwrap();
+                let parsed = parse(Api::Completions, &body).unwrap();
+                let c = thread_cpu();
+                let keyed = keyer.key(&parsed).unwrap();
+                let cpu = thread_cpu().saturating_sub(c);
+                assert!(!keyed.keys.is_empty());
+                cpu
+            })
+            .collect();
+        took.sort_unstable();
+        took[took.len() / 2].as_secs_f64() * 1e6
+    };
+    for round in 0..2 {
+        let p50: Vec<(f64, f64)> = sets
+            .iter()
+            .map(|(_, prompts)| {
+                let bytes = prompts.iter().map(String::len).sum::<usize>() as f64;
+                (key_all(prompts), bytes / prompts.len() as f64)
+            })
+            .collect();
+        let (en, en_bytes) = p50[0];
+        for ((name, _), (us, bytes)) in sets.iter().zip(&p50) {
+            println!(
+                "unicode round {round}: {name:<7} ~{bytes:.0}-byte prompts, cold Keyer::key cpu \
+                 p50 {us:.1} µs, {:.2}× English per byte",
+                (us / bytes) / (en / en_bytes)
+            );
+        }
+    }
+}
+
 /// The spans of a traced decision without the decision: a request span, the picker's work on an
 /// empty pool (parse, tokenize, pick with the scheduler's spans, first token) and the response's
 /// end, 2,000 times; the per-request CPU (run it with `KVGATE_BENCH_TRACE=otlp`).
@@ -810,6 +905,9 @@ fn main() {
     }
     if which == "added" {
         added_tokens(&dir);
+    }
+    if which == "unicode" {
+        unicode(&dir);
     }
     if which == "tiny" {
         // A one-turn chat of a few words: the decision's fixed costs (and tracing's) alone.
