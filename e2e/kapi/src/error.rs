@@ -34,6 +34,14 @@ pub enum KapiError {
         /// Its log.
         log: PathBuf,
     },
+    /// A process exited before it became ready.
+    #[error("{what} exited before it became ready; see {log}")]
+    Exited {
+        /// The process.
+        what: &'static str,
+        /// Its log.
+        log: PathBuf,
+    },
     /// The kube client could not be built or a request failed.
     #[error("kube client: {0}")]
     Client(#[from] kube::Error),

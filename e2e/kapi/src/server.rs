@@ -69,8 +69,9 @@ pub struct EtcdBackup {
 
 /// The admin's bearer token.
 const ADMIN_TOKEN: &str = "kapi-admin";
-/// How long a process may take to become ready.
-const READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a process may take to become ready: seconds on an idle machine, but the test
+/// runner starts several at once on a 2-core CI host, where one took over 60 s (2026-11-30).
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// A running API server and its etcd; dropping it stops both and removes the run directory
 /// (kept when `KVGATE_KEEP_KAPI` is set).
@@ -204,7 +205,10 @@ impl Kapi {
                     return Ok(());
                 }
             }
-            if exited(&mut self.apiserver) || Instant::now() > deadline {
+            if exited(&mut self.apiserver) {
+                return Err(KapiError::Exited { what: "kapi", log });
+            }
+            if Instant::now() > deadline {
                 return Err(KapiError::NotReady {
                     what: "kapi",
                     seconds: READY_TIMEOUT.as_secs(),
@@ -243,7 +247,10 @@ impl Kapi {
             if etcd_healthy(addr) {
                 return Ok(());
             }
-            if exited(&mut self.etcd) || Instant::now() > deadline {
+            if exited(&mut self.etcd) {
+                return Err(KapiError::Exited { what: "etcd", log });
+            }
+            if Instant::now() > deadline {
                 return Err(KapiError::NotReady {
                     what: "etcd",
                     seconds: READY_TIMEOUT.as_secs(),
