@@ -736,7 +736,6 @@ fn breakdown(dir: &Path) {
 /// chunked path), against the same prompts with the token spelled as plain text of the same
 /// length. The ratio is the price of the added tokens.
 fn added_tokens(dir: &Path) {
-    use kvgate_epp::routing::request::{Api, parse};
     const TOKEN: &str = "<|fim_prefix|>";
     const PLAIN: &str = "<fim-prefix.>.";
     let mut rng = Rng(0xf1a);
@@ -744,28 +743,11 @@ fn added_tokens(dir: &Path) {
         .map(|_| (0..100).map(|_| rng.text(16) + TOKEN).collect())
         .collect();
     let without: Vec<String> = with.iter().map(|p| p.replace(TOKEN, PLAIN)).collect();
-    let key_all = |prompts: &[String]| {
-        let keyer = qwen3_keyer(dir);
-        let mut took: Vec<Duration> = prompts
-            .iter()
-            .map(|p| {
-                let body = serde_json::to_vec(&json!({"model": MODEL, "prompt": p})).unwrap();
-                let parsed = parse(Api::Completions, &body).unwrap();
-                let c = thread_cpu();
-                let keyed = keyer.key(&parsed).unwrap();
-                let cpu = thread_cpu().saturating_sub(c);
-                assert!(!keyed.keys.is_empty());
-                cpu
-            })
-            .collect();
-        took.sort_unstable();
-        took[took.len() / 2].as_secs_f64() * 1e6
-    };
     let bytes = with.iter().map(String::len).sum::<usize>() / with.len();
     // Alternate the two, twice, so that drift on a shared machine touches both alike.
     let mut rows = Vec::new();
     for _ in 0..2 {
-        rows.push((key_all(&with), key_all(&without)));
+        rows.push((cold_key_p50(dir, &with), cold_key_p50(dir, &without)));
     }
     for (a, b) in rows {
         println!(
@@ -776,11 +758,31 @@ fn added_tokens(dir: &Path) {
     }
 }
 
+/// The CPU p50, in µs, of keying each of `prompts` (completions) with a new Qwen3 keyer: cold,
+/// as far as the keyer's caches go, for prompts it has not seen.
+fn cold_key_p50(dir: &Path, prompts: &[String]) -> f64 {
+    use kvgate_epp::routing::request::{Api, parse};
+    let keyer = qwen3_keyer(dir);
+    let mut took: Vec<Duration> = prompts
+        .iter()
+        .map(|p| {
+            let body = serde_json::to_vec(&json!({"model": MODEL, "prompt": p})).unwrap();
+            let parsed = parse(Api::Completions, &body).unwrap();
+            let c = thread_cpu();
+            let keyed = keyer.key(&parsed).unwrap();
+            let cpu = thread_cpu().saturating_sub(c);
+            assert!(!keyed.keys.is_empty());
+            cpu
+        })
+        .collect();
+    took.sort_unstable();
+    took[took.len() / 2].as_secs_f64() * 1e6
+}
+
 /// What a prompt's script costs its keying: the cold `Keyer::key` CPU p50 of 50 ~12-KB prompts
 /// each of English, Chinese and a multilingual mix (each prompt new to the keyer), and the
 /// non-English ones' cost per byte against English's. Two rounds, the three alternating.
 fn unicode(dir: &Path) {
-    use kvgate_epp::routing::request::{Api, parse};
     const BYTES: usize = 12_000;
     let mut rng = Rng(0x0123_4567);
     let sets: [(&str, Vec<String>); 3] = [
@@ -788,29 +790,12 @@ fn unicode(dir: &Path) {
         ("Chinese", (0..50).map(|_| rng.chinese(BYTES)).collect()),
         ("mixed", (0..50).map(|_| rng.mixed(BYTES)).collect()),
     ];
-    let key_all = |prompts: &[String]| {
-        let keyer = qwen3_keyer(dir);
-        let mut took: Vec<Duration> = prompts
-            .iter()
-            .map(|p| {
-                let body = serde_json::to_vec(&json!({"model": MODEL, "prompt": p})).unwrap();
-                let parsed = parse(Api::Completions, &body).unwrap();
-                let c = thread_cpu();
-                let keyed = keyer.key(&parsed).unwrap();
-                let cpu = thread_cpu().saturating_sub(c);
-                assert!(!keyed.keys.is_empty());
-                cpu
-            })
-            .collect();
-        took.sort_unstable();
-        took[took.len() / 2].as_secs_f64() * 1e6
-    };
     for round in 0..2 {
         let p50: Vec<(f64, f64)> = sets
             .iter()
             .map(|(_, prompts)| {
                 let bytes = prompts.iter().map(String::len).sum::<usize>() as f64;
-                (key_all(prompts), bytes / prompts.len() as f64)
+                (cold_key_p50(dir, prompts), bytes / prompts.len() as f64)
             })
             .collect();
         let (en, en_bytes) = p50[0];
