@@ -33,24 +33,51 @@ pub enum Head {
     },
 }
 
-/// The caller's sampled flag, when `value` is a valid version-00 `traceparent`.
-fn caller_sampled(value: &str) -> Option<bool> {
-    let mut parts = value.trim().split('-');
-    let (version, trace, span, flags) =
-        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-    let valid = version == "00"
-        && parts.next().is_none()
-        && hex(trace, 32)
-        && hex(span, 16)
-        && hex(flags, 2)
-        && trace.bytes().any(|b| b != b'0')
-        && span.bytes().any(|b| b != b'0');
-    if !valid {
+/// A valid `traceparent`: the caller's trace id, span id and flags. Version `00` has exactly
+/// four fields; a later version (not `ff`) may add fields after them, which are ignored, as W3C
+/// Trace Context asks. Ids of all zeros, upper-case or missing digits make it invalid (the
+/// request then starts a new trace). Read by position (the fields have fixed widths): it runs
+/// twice per traced request, for the sampling decision and for the request span's parent.
+pub(crate) fn traceparent(value: &str) -> Option<(TraceId, SpanId, u8)> {
+    /// `version-trace-span-flags`: 2 + 1 + 32 + 1 + 16 + 1 + 2.
+    const LEN: usize = 55;
+    let v = value.trim_ascii().as_bytes();
+    let (head, more) = (v.get(..LEN)?, v.get(LEN..)?);
+    let dashes = [2, 35, 52].iter().all(|&i| head.get(i) == Some(&b'-'));
+    let version = hex(head.get(0..2)?)?;
+    let valid_tail = match (version, more.first()) {
+        (_, None) => true,
+        (0, Some(_)) => false,
+        (_, Some(&b)) => b == b'-',
+    };
+    if !dashes || !valid_tail || version == 0xff {
         return None;
     }
-    let flags = u8::from_str_radix(flags, 16).ok()?;
-    Some(flags & 1 == 1)
+    let trace = hex(head.get(3..35)?).filter(|&t| t != 0)?;
+    let span = hex(head.get(36..52)?).filter(|&s| s != 0)?;
+    let flags = hex(head.get(53..55)?)?;
+    Some((
+        TraceId::from(trace),
+        SpanId::from(u64::try_from(span).ok()?),
+        u8::try_from(flags).ok()?,
+    ))
+}
+
+/// Lower-case hex digits (at most 32) as a number; `None` for any other byte.
+fn hex(digits: &[u8]) -> Option<u128> {
+    digits.iter().try_fold(0u128, |n, &b| {
+        let d = match b {
+            b'0'..=b'9' => b - b'0',
+            b'a'..=b'f' => b - b'a' + 10,
+            _ => return None,
+        };
+        Some((n << 4) | u128::from(d))
+    })
+}
+
+/// The caller's sampled flag, when `value` is a valid `traceparent`.
+fn caller_sampled(value: &str) -> Option<bool> {
+    traceparent(value).map(|(_, _, flags)| flags & 1 == 1)
 }
 
 /// Decides one request's trace from its headers (lower-case names).
@@ -114,14 +141,23 @@ mod tests {
         for bad in [
             "",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
-            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "0-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
             "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
             "00-zz-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
         ] {
             assert_eq!(caller_sampled(bad), None, "{bad:?}");
+        }
+        // A later version's extra fields are ignored.
+        for later in [
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-ever",
+        ] {
+            assert_eq!(caller_sampled(later), Some(true), "{later:?}");
         }
         let ids = RandomIdGenerator::default();
         assert_eq!(decide(Some(true), 0.0, &ids), Head::Trace);
@@ -148,5 +184,75 @@ mod tests {
             .count();
         // 10% of 20,000 draws: 2,000 ± 5 standard deviations (212).
         assert!((1_788..=2_212).contains(&traced), "{traced} of {n}");
+    }
+
+    mod props {
+        use super::super::traceparent;
+        use proptest::prelude::*;
+
+        /// The specification's reading of a header, written plainly: split on `-`, check each
+        /// field's width and digits, then the version's rules.
+        fn naive(value: &str) -> Option<(u128, u64, u8)> {
+            let fields: Vec<&str> = value.trim_matches([' ', '\t']).split('-').collect();
+            let lower_hex = |f: &str, n: usize| {
+                f.len() == n
+                    && f.chars()
+                        .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+            };
+            let [version, trace, span, flags] = fields.get(..4)? else {
+                return None;
+            };
+            let ok = lower_hex(version, 2)
+                && *version != "ff"
+                && (*version != "00" || fields.len() == 4)
+                && lower_hex(trace, 32)
+                && lower_hex(span, 16)
+                && lower_hex(flags, 2);
+            let parsed = (
+                u128::from_str_radix(trace, 16).ok()?,
+                u64::from_str_radix(span, 16).ok()?,
+                u8::from_str_radix(flags, 16).ok()?,
+            );
+            (ok && parsed.0 != 0 && parsed.1 != 0).then_some(parsed)
+        }
+
+        fn header() -> impl Strategy<Value = String> {
+            let valid = (
+                0u8..=0xfe,
+                any::<u128>(),
+                any::<u64>(),
+                any::<u8>(),
+                0usize..3,
+            )
+                .prop_map(|(v, t, s, f, extra)| {
+                    let mut h = format!("{v:02x}-{t:032x}-{s:016x}-{f:02x}");
+                    for _ in 0..extra {
+                        h.push_str("-x");
+                    }
+                    h
+                });
+            // A valid header with one byte replaced by one of the bytes that matter.
+            let bytes = prop::sample::select(vec![b'-', b'0', b'f', b'g', b'A', b' ', b'\t']);
+            (valid, any::<prop::sample::Index>(), bytes, any::<bool>()).prop_map(
+                |(h, at, b, mutate)| {
+                    if !mutate {
+                        return h;
+                    }
+                    let mut raw = h.into_bytes();
+                    let i = at.index(raw.len());
+                    raw[i] = b;
+                    String::from_utf8(raw).unwrap_or_default()
+                },
+            )
+        }
+
+        proptest! {
+            #[test]
+            fn reads_a_header_as_the_specification_does(h in header()) {
+                let got = traceparent(&h)
+                    .map(|(t, s, f)| (u128::from_be_bytes(t.to_bytes()), u64::from_be_bytes(s.to_bytes()), f));
+                prop_assert_eq!(got, naive(&h), "{:?}", h);
+            }
+        }
     }
 }

@@ -1,37 +1,29 @@
 //! W3C trace context (`traceparent`, `tracestate`) between hops.
 
-use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
-use opentelemetry_sdk::propagation::TraceContextPropagator;
+use std::str::FromStr as _;
+
+use opentelemetry::Context;
+use opentelemetry::trace::{SpanContext, TraceContextExt as _, TraceFlags, TraceState};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-/// Request headers as `(lower-case name, value)` pairs.
-struct Pairs<'a, I>(&'a [I]);
-
-impl<I: AsRef<str>> Extractor for Pairs<'_, (I, I)> {
-    fn get(&self, key: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(k, _)| k.as_ref().eq_ignore_ascii_case(key))
-            .map(|(_, v)| v.as_ref())
-    }
-
-    fn keys(&self) -> Vec<&str> {
-        self.0.iter().map(|(k, _)| k.as_ref()).collect()
-    }
+/// The value of header `name` (matched without case), if present.
+fn header<'a, I: AsRef<str>>(headers: &'a [(I, I)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k.as_ref().eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.as_ref())
 }
 
-struct Collect(Vec<(&'static str, String)>);
-
-impl Injector for Collect {
-    fn set(&mut self, key: &str, value: String) {
-        // The trace-context propagator only writes these two.
-        let key = match key {
-            "traceparent" => "traceparent",
-            "tracestate" => "tracestate",
-            _ => return,
-        };
-        self.0.push((key, value));
-    }
+/// The caller's context from a valid `traceparent` (the same rule as the sampling decision,
+/// [`crate::head`]) and its `tracestate`, if any. Of the flags only "sampled" is kept, as W3C
+/// Trace Context asks; an invalid `tracestate` is dropped.
+fn caller<I: AsRef<str>>(headers: &[(I, I)]) -> Option<SpanContext> {
+    let (trace, span, flags) = crate::head::traceparent(header(headers, "traceparent")?)?;
+    let state = header(headers, "tracestate")
+        .and_then(|v| TraceState::from_str(v).ok())
+        .unwrap_or_default();
+    let flags = TraceFlags::new(flags) & TraceFlags::SAMPLED;
+    Some(SpanContext::new(trace, span, flags, true, state))
 }
 
 /// Makes `span` a child of the trace context the request carries, if any. Call it before the
@@ -41,10 +33,12 @@ pub fn set_parent<I: AsRef<str>>(span: &tracing::Span, headers: &[(I, I)]) {
     if span.is_disabled() {
         return;
     }
-    let cx = TraceContextPropagator::new().extract(&Pairs(headers));
+    let Some(parent) = caller(headers) else {
+        return;
+    };
     // Only fails when tracing is off (no OpenTelemetry layer) or the span has started: either
     // way the span keeps the parent it has.
-    let _ = span.set_parent(cx);
+    let _ = span.set_parent(Context::new().with_remote_span_context(parent));
 }
 
 /// The `traceparent` (and `tracestate`, when the trace has one) naming `span` as the parent of
@@ -53,9 +47,26 @@ pub fn trace_headers(span: &tracing::Span) -> Vec<(&'static str, String)> {
     if span.is_disabled() {
         return Vec::new();
     }
-    let mut out = Collect(Vec::new());
-    TraceContextPropagator::new().inject_context(&span.context(), &mut out);
-    out.0
+    let cx = span.context();
+    let sc = cx.span().span_context().clone();
+    if !sc.is_valid() {
+        return Vec::new();
+    }
+    let flags = (sc.trace_flags() & TraceFlags::SAMPLED).to_u8();
+    let mut out = Vec::with_capacity(2);
+    out.push((
+        "traceparent",
+        format!(
+            "00-{:032x}-{:016x}-{flags:02x}",
+            sc.trace_id(),
+            sc.span_id()
+        ),
+    ));
+    let state = sc.trace_state().header();
+    if !state.is_empty() {
+        out.push(("tracestate", state));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -92,6 +103,34 @@ mod tests {
             set_parent(&fresh, &[("traceparent", "00-zz-00f067aa0ba902b7-01")]);
             let out = trace_headers(&fresh);
             assert!(!out[0].1.contains("4bf92f3577b34da6a3ce929d0e0e4736"));
+        });
+    }
+
+    #[test]
+    fn only_the_sampled_flag_goes_on_and_no_empty_tracestate() {
+        let provider = SdkTracerProvider::builder().build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!(target: crate::TARGET, "hop");
+            let caller = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-03";
+            set_parent(
+                &span,
+                &[("traceparent", caller), ("tracestate", "not valid=")],
+            );
+            let out = trace_headers(&span);
+            assert_eq!(out.len(), 1, "an invalid tracestate is dropped: {out:?}");
+            let (name, value) = &out[0];
+            assert_eq!(*name, "traceparent");
+            assert!(
+                value.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"),
+                "{value}"
+            );
+            assert!(
+                value.ends_with("-01"),
+                "unknown flags are not passed on: {value}"
+            );
+            assert_eq!(value.len(), 55, "{value}");
         });
     }
 

@@ -32,6 +32,8 @@ pub struct ReceivedSpan {
     pub ints: Vec<(String, i64)>,
     /// Event names, in order.
     pub events: Vec<String>,
+    /// Start, in nanoseconds since the Unix epoch.
+    pub start_unix_nanos: u64,
     /// End minus start, in nanoseconds.
     pub duration_nanos: u64,
 }
@@ -114,6 +116,7 @@ impl TraceService for Service {
                         )
                         .collect(),
                     events: span.events.into_iter().map(|e| e.name).collect(),
+                    start_unix_nanos: span.start_time_unix_nano,
                     duration_nanos: span
                         .end_time_unix_nano
                         .saturating_sub(span.start_time_unix_nano),

@@ -6,10 +6,11 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::{WithExportConfig, WithTonicConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SdkTracerProvider};
-use tracing_subscriber::filter::{EnvFilter, Targets};
+use tracing_subscriber::filter::{EnvFilter, LevelFilter, Targets};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::{Layer, fmt};
 
+use crate::stages::StageSink;
 use crate::{ArgsError, TARGET, TracingArgs};
 
 /// How long one export may take before the batch is dropped.
@@ -151,15 +152,21 @@ pub fn dispatch(
     // nothing (measured: docs/benchmarks.md, "what tracing costs a decision"). Nothing in
     // kvgate reads OpenTelemetry's current context (parents come from `tracing`'s span tree,
     // trace headers from the span itself), so entering a span does not activate its context.
+    let tracer = provider.tracer(service.to_owned());
     let traces = tracing_opentelemetry::layer()
         .with_location(false)
         .with_threads(false)
         .with_target(false)
         .with_context_activation(false)
         .with_tracked_inactivity(false)
-        .with_tracer(provider.tracer(service.to_owned()))
+        .with_tracer(tracer.clone())
         .with_filter(Targets::new().with_target(TARGET, tracing::Level::INFO));
-    let subscriber = tracing_subscriber::registry().with(log).with(traces);
+    // Stage spans (`StageLog`) are built with the same tracer, found through this layer.
+    let stages = StageSink { tracer }.with_filter(LevelFilter::OFF);
+    let subscriber = tracing_subscriber::registry()
+        .with(log)
+        .with(traces)
+        .with(stages);
     Ok((
         tracing::Dispatch::new(subscriber),
         Telemetry {

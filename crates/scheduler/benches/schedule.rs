@@ -137,6 +137,7 @@ fn run(bencher: Bencher<'_, '_>, config: SchedulerConfig) {
             model: "m",
             subset: None,
             now: Millis(now),
+            timed: false,
         };
         s.schedule(&req, &w.endpoints, &w.index, &w.inflight, &w.loads)
             .unwrap()

@@ -1,5 +1,7 @@
 //! What a scheduling decision returns, and how it can fail.
 
+use std::time::Instant;
+
 use kv_index::{EndpointId, Overlap};
 use thiserror::Error;
 
@@ -107,6 +109,19 @@ pub struct Decision {
     /// Every candidate's figures, in the policy's rank order (best first; with temperature > 0
     /// the primary may not be the first row).
     pub scores: Vec<CandidateScore>,
+    /// When the lookup and the ranking ran, for a request that asked
+    /// ([`crate::ScheduleRequest::timed`]); `None` otherwise.
+    pub phases: Option<Phases>,
+}
+
+/// When a timed decision's two stages ran, as `(start, end)` on the monotonic clock: a traced
+/// request's `index_lookup` and `score` spans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Phases {
+    /// Gathering the candidates: the index lookup and each candidate's load.
+    pub lookup: (Instant, Instant),
+    /// Ranking the candidates.
+    pub score: (Instant, Instant),
 }
 
 impl Decision {

@@ -43,6 +43,7 @@
 //!     model: "llama",
 //!     subset: None,
 //!     now: Millis(0),
+//!     timed: false,
 //! };
 //! let decision = scheduler.schedule(&request, &endpoints, &index, &inflight, &loads)?;
 //! assert_eq!(decision.fallbacks.len(), 2);
@@ -75,7 +76,7 @@ pub use config::{
     MAX_FALLBACKS, Policy, SchedulerConfig, Speculation, TierCredit, UnknownPolicy, Weights,
 };
 pub use cost::{EffectiveLoad, credit, kv_cost, prefill_cost, uncached_blocks};
-pub use decision::{CandidateScore, Decision, Reason, ScheduleError};
+pub use decision::{CandidateScore, Decision, Phases, Reason, ScheduleError};
 pub use endpoint::{Endpoint, Pick, Role};
 pub use filter::NoCandidateReason;
 pub use inflight::{

@@ -80,6 +80,7 @@ mod tests {
             model: "m",
             subset: None,
             now: Millis(0),
+            timed: false,
         };
         let routed = scheduler
             .route(&req, &endpoints, &index, &inflight, &loads)
@@ -118,6 +119,7 @@ mod tests {
             model: "m",
             subset: None,
             now: Millis(0),
+            timed: false,
         };
         assert!(
             scheduler

@@ -2,13 +2,14 @@
 
 use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, PoisonError};
+use std::time::Instant;
 
 use kv_events::{BlockKey, Tier};
 use kv_index::{ApproxTracker, EndpointId, Holder, KvIndex, Millis, Overlap};
 
 use crate::config::{ConfigError, Policy, SchedulerConfig};
 use crate::cost::{EffectiveLoad, credit, prefill_cost, uncached_blocks};
-use crate::decision::{CandidateScore, Decision, ScheduleError};
+use crate::decision::{CandidateScore, Decision, Phases, ScheduleError};
 use crate::endpoint::{Endpoint, Pick};
 use crate::filter::{NoCandidateReason, decode_candidates, prefill_candidates};
 use crate::inflight::InflightTracker;
@@ -34,6 +35,8 @@ pub struct ScheduleRequest<'a> {
     pub subset: Option<&'a [String]>,
     /// The EPP's monotonic clock now.
     pub now: Millis,
+    /// Time the lookup and the ranking ([`Decision::phases`]): a traced request's stages.
+    pub timed: bool,
 }
 
 /// Places requests on endpoints. Shared by every request stream: `schedule` takes `&self`
@@ -54,9 +57,6 @@ impl ScheduleRequest<'_> {
         self.prompt_blocks.map_or(keyed, |b| b.max(keyed))
     }
 }
-
-/// The `tracing` target of a request's trace spans (kvgate-otel's `TARGET`).
-const TRACE_TARGET: &str = "kvgate::trace";
 
 impl Scheduler {
     /// A scheduler with a validated `config`; `seed` fixes every random choice (the same calls
@@ -129,30 +129,15 @@ impl Scheduler {
         decode_candidates(endpoints, req.model, req.subset, &mut eligible)?;
         let lookup = matches!(self.config.policy, Policy::Kv | Policy::PrefixOnly);
         let salt = self.rng.next_u64();
-        // Spans of a traced request: under the EPP's `pick` span only (target `otel::TARGET`
-        // of kvgate-otel, spelled out so this crate needs no OpenTelemetry); none otherwise.
-        let traced = tracing::Span::current()
-            .metadata()
-            .is_some_and(|m| m.target() == TRACE_TARGET);
-        let looking_up = if traced {
-            // An `i64`, not a `usize`: OpenTelemetry's layer takes unsigned values as text.
-            let candidates = i64::try_from(eligible.len()).unwrap_or(i64::MAX);
-            tracing::info_span!(target: "kvgate::trace", "index_lookup", candidates)
-        } else {
-            tracing::Span::none()
-        }
-        .entered();
+        let looked_up = req.timed.then(Instant::now);
         let cands = self.gather(&eligible, req, lookup, index, inflight, loads, salt);
-        drop(looking_up);
         let prompt_blocks = req.blocks();
-        let scoring = if traced {
-            tracing::info_span!(target: "kvgate::trace", "score")
-        } else {
-            tracing::Span::none()
-        }
-        .entered();
+        let scored = req.timed.then(Instant::now);
         let ranking = rank(&cands, prompt_blocks, &self.config, &self.rng, &self.turn);
-        drop(scoring);
+        let phases = looked_up.zip(scored).map(|(start, scored)| Phases {
+            lookup: (start, scored),
+            score: (scored, Instant::now()),
+        });
 
         // The filters returned at least one candidate, so the ranking has a primary row.
         let chosen = ranking
@@ -207,6 +192,7 @@ impl Scheduler {
             prompt_blocks,
             uncached_blocks: uncached,
             scores,
+            phases,
         })
     }
 

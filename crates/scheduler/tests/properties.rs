@@ -173,6 +173,7 @@ proptest! {
             model,
             subset: subset.as_deref(),
             now: Millis(0),
+            timed: false,
         };
         let result = s.schedule(&req, &eps, &idx, &tracker, &LoadBook::new());
         if allowed.is_empty() {

@@ -168,6 +168,7 @@ impl Router {
             model: &self.model,
             subset: None,
             now: millis(now),
+            timed: false,
         };
         let routed = self.scheduler.route(
             &req,

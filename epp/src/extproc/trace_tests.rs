@@ -151,6 +151,29 @@ fn a_traced_request_continues_the_callers_trace_through_every_stage() {
     for stage in ["index_lookup", "score"] {
         assert_eq!(named(&spans, stage).parent_span_id, pick.span_id, "{stage}");
     }
+    // Each stage lies within its parent's time, and the stages follow one another.
+    let end = |s: &ReceivedSpan| s.start_unix_nanos + s.duration_nanos;
+    for stage in ["index_lookup", "score"] {
+        let s = named(&spans, stage);
+        assert!(
+            s.start_unix_nanos >= pick.start_unix_nanos && end(s) <= end(pick),
+            "{stage} within pick: {s:?} {pick:?}"
+        );
+    }
+    let order = ["parse", "tokenize", "pick", "first_token", "decode"];
+    for pair in order.windows(2) {
+        let (a, b) = (named(&spans, pair[0]), named(&spans, pair[1]));
+        assert!(
+            end(a) <= b.start_unix_nanos,
+            "{} before {}",
+            pair[0],
+            pair[1]
+        );
+    }
+    assert!(
+        named(&spans, "decode").duration_nanos >= 30_000_000,
+        "decode spans the 30 ms between the first and the last byte"
+    );
     let tokenize = named(&spans, "tokenize");
     assert!(tokenize.int("prompt_tokens").is_some_and(|t| t > 0));
     assert!(tokenize.int("prompt_blocks").is_some());
@@ -202,4 +225,43 @@ fn without_a_collector_nothing_is_traced_and_the_callers_header_passes_through()
     let caller = format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01");
     let set = one_request(&dispatch, router, &[("traceparent", &caller)]);
     assert!(!set.contains_key("traceparent"), "{set:?}");
+}
+
+#[test]
+fn a_refused_requests_trace_ends_with_the_stage_that_refused_it() {
+    let (_runtime, receiver, dispatch, telemetry) = exporting();
+    let router: Arc<dyn Router> = Arc::new(picker());
+    let caller = format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01");
+    let body: &[u8] = br#"{"model":"m","prompt":"#;
+    tracing::dispatcher::with_default(&dispatch, || {
+        tracing::callsite::rebuild_interest_cache();
+        let mut s = ExtProcStream::new(router, Arc::new(StreamConfig::default()));
+        let mut first = req_headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/completions"),
+                ("content-type", "application/json"),
+                ("traceparent", &caller),
+            ],
+            false,
+        );
+        first.protocol_config = duplex();
+        assert!(s.on_message(first).unwrap().is_empty());
+        let out = s.on_message(req_body(body, true)).unwrap();
+        assert_eq!(out.len(), 1, "answered by the EPP: {out:?}");
+        s.finish();
+    });
+    telemetry.shutdown();
+    let spans = receiver.spans();
+    let request = named(&spans, "epp.request");
+    assert_eq!(request.trace_id, CALLER_TRACE);
+    let parse = named(&spans, "parse");
+    assert_eq!(parse.parent_span_id, request.span_id);
+    assert_eq!(parse.int("body_bytes"), Some(body.len() as i64));
+    for later in ["tokenize", "pick", "first_token"] {
+        assert!(
+            spans.iter().all(|s| s.name != later),
+            "no {later} after a refusal: {spans:#?}"
+        );
+    }
 }

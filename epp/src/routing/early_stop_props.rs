@@ -175,6 +175,7 @@ proptest! {
             model: "",
             subset: None,
             now: Millis(1),
+            timed: false,
         };
         let want = scheduler.schedule(&full, &endpoints, &index, &inflight, &loads);
 

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use kv_events::{BlockKey, Tier};
 use kv_index::{EndpointId, KvIndex, Millis, Overlap};
+use otel::StageLog;
 use scheduler::{
     Endpoint, InflightToken, InflightTracker, LoadBook, Routed, ScheduleRequest, Scheduler,
 };
@@ -286,7 +287,7 @@ impl Picker {
         input: &RoutingInput<'_>,
         ticket: u64,
         endpoints: &[Endpoint],
-        traced: bool,
+        stages: &mut StageLog,
     ) -> Result<Prepared, (Rejection, String)> {
         let api = Api::of_path(input.path);
         let (Some(body), Api::Completions | Api::Chat) = (input.body, api) else {
@@ -297,7 +298,7 @@ impl Picker {
                 body: None,
             });
         };
-        let parsing = trace::parse(traced, body.len()).entered();
+        let parse = trace::parse(stages, body.len());
         let parsed = request::parse(api, body)
             .map_err(|e| (Rejection::BadRequest(e.to_string()), String::new()))?;
         if let Some(field) = parsed.transfer_field
@@ -335,10 +336,10 @@ impl Picker {
             ),
             None => None,
         };
-        drop(parsing);
+        stages.close(parse, []);
         // Keying stops once no endpoint of the pool (a superset of the candidates) holds the
         // newest key: a point query per tokenized chunk.
-        let tokenizing = trace::tokenize(traced).entered();
+        let tokenize = stages.open("tokenize", None);
         let mut probe = PoolProbe::new(&self.index, endpoints);
         let keyed = self
             .keyer
@@ -353,14 +354,7 @@ impl Picker {
                 };
                 (r, model.clone())
             })?;
-        tracing::record_all!(
-            tokenizing,
-            prompt_tokens = otel::int(keyed.prompt_tokens),
-            tokenized_tokens = otel::int(keyed.tokenized),
-            prompt_blocks = otel::int(keyed.prompt_blocks),
-            stopped_early = keyed.stopped_early,
-        );
-        drop(tokenizing);
+        trace::tokenized(stages, tokenize, &keyed);
         let served = target.unwrap_or_else(|| model.clone());
         Ok(Prepared {
             keyed: Some(keyed),
@@ -387,9 +381,10 @@ impl Router for Picker {
         let started = Instant::now();
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
         let endpoints = self.health.mask(self.datastore.snapshot());
-        // Stage spans only under a traced request's span (one look at the current span).
-        let traced = trace::active();
-        let prepared = match self.prepare(&input, ticket, &endpoints, traced) {
+        // Stages only under a traced request's span (one look at the current span); a refused
+        // request's are exported when `stages` drops.
+        let mut stages = StageLog::start(&tracing::Span::current());
+        let prepared = match self.prepare(&input, ticket, &endpoints, &mut stages) {
             Ok(p) => p,
             Err((rejection, model)) => return Err(self.reject(rejection, &model)),
         };
@@ -432,25 +427,21 @@ impl Router for Picker {
             model,
             subset: input.subset.as_deref(),
             now: self.now(),
+            timed: stages.is_active(),
         };
         let scheduling = Instant::now();
-        let picking = trace::pick(traced, endpoints.len()).entered();
+        let pick = stages.open("pick", None);
         let scheduled =
             self.scheduler
                 .route(&req, &endpoints, &self.index, &self.inflight, &self.loads);
         self.requests
             .on_scheduled(scheduled.is_ok(), scheduling.elapsed());
-        if let Ok(r) = &scheduled {
-            let d = &r.decision;
-            tracing::record_all!(
-                picking,
-                endpoint = %d.primary.address,
-                reason = d.reason.as_str(),
-                prompt_blocks = otel::int(d.prompt_blocks),
-                cached_blocks = otel::int(d.prompt_blocks.saturating_sub(d.uncached_blocks)),
-            );
-        }
-        drop(picking);
+        trace::picked(
+            &mut stages,
+            pick,
+            endpoints.len(),
+            scheduled.as_ref().ok().map(|r| &r.decision),
+        );
         let Routed { decision, token } = match scheduled {
             Ok(r) => r,
             Err(e) => {
@@ -478,7 +469,7 @@ impl Router for Picker {
             first_byte: None,
             status: 0,
             usage: None,
-            trace: ResponseTrace::start(tracing::Span::current(), &prepared.model),
+            trace: ResponseTrace::start(tracing::Span::current(), stages, &prepared.model),
         };
         self.tickets
             .lock()

@@ -1,70 +1,101 @@
-//! The router's part of a request's trace (target [`otel::TARGET`]): the decision's stages, and
-//! the response from the pick to its first token and its end. The request's own span
-//! (`epp.request`) is the ext_proc stream's; these hang under it. Disabled spans (tracing off)
-//! make every call here a no-op.
+//! The router's part of a request's trace: the decision's stages (`parse`, `tokenize`, `pick`
+//! with the scheduler's `index_lookup` and `score` under it) and the response's (`first_token`
+//! from the pick to the first byte, then `decode` to the end). They are kept in an
+//! [`otel::StageLog`] and exported as children of the request's span (`epp.request`, the
+//! ext_proc stream's) when the response ends, or at once when the request is refused: the
+//! decision itself pays a clock read per stage boundary. An untraced request's log is inactive,
+//! and every call here is then a no-op.
 //!
 //! The EPP holds no queue of its own: a request is picked as soon as its body is in. The wait in
 //! the engine's queue and its prefill are the `first_token` span.
 
 use std::time::Duration;
 
+use otel::{KeyValue, StageId, StageLog};
+use scheduler::Decision;
 use tracing::Span;
 
+use super::keys::Keyed;
 use super::stats::Completed;
 
-/// Whether the current span is a request's trace span: the stages are spans only then (an
-/// unsampled or untraced request gets none, and no stage span becomes a trace of its own).
-pub(super) fn active() -> bool {
-    Span::current()
-        .metadata()
-        .is_some_and(|m| m.target() == otel::TARGET)
+fn int(key: &'static str, value: impl TryInto<i64>) -> KeyValue {
+    KeyValue::new(key, otel::int(value))
 }
 
-/// Around request parsing and the model rewrite.
-pub(super) fn parse(traced: bool, body_bytes: usize) -> Span {
-    if !traced {
-        return Span::none();
+/// Opens `parse` (request parsing and the model rewrite); close it with [`StageLog::close`]. A
+/// request refused while parsing leaves it open: it ends when the log is exported.
+pub(super) fn parse(stages: &mut StageLog, body_bytes: usize) -> StageId {
+    let parse = stages.open("parse", None);
+    if stages.is_active() {
+        stages.annotate(parse, [int("body_bytes", body_bytes)]);
     }
-    tracing::info_span!(target: otel::TARGET, "parse", body_bytes = otel::int(body_bytes))
+    parse
 }
 
-/// Around tokenizing and keying; records what the keyer did.
-pub(super) fn tokenize(traced: bool) -> Span {
-    if !traced {
-        return Span::none();
+/// Closes `tokenize` (tokenizing and keying) with what the keyer did.
+pub(super) fn tokenized(stages: &mut StageLog, tokenize: StageId, keyed: &Keyed) {
+    if stages.is_active() {
+        stages.close(
+            tokenize,
+            [
+                int("prompt_tokens", keyed.prompt_tokens),
+                int("tokenized_tokens", keyed.tokenized),
+                int("prompt_blocks", keyed.prompt_blocks),
+                KeyValue::new("stopped_early", keyed.stopped_early),
+            ],
+        );
     }
-    tracing::info_span!(
-        target: otel::TARGET,
-        "tokenize",
-        prompt_tokens = tracing::field::Empty,
-        tokenized_tokens = tracing::field::Empty,
-        prompt_blocks = tracing::field::Empty,
-        stopped_early = tracing::field::Empty,
-    )
 }
 
-/// Around the scheduler (its `index_lookup` and `score` spans hang under it); records the pick.
-pub(super) fn pick(traced: bool, candidates: usize) -> Span {
-    if !traced {
-        return Span::none();
+/// Closes `pick` (the scheduler) with the choice, and adds the scheduler's own stages under it.
+pub(super) fn picked(
+    stages: &mut StageLog,
+    pick: StageId,
+    candidates: usize,
+    decision: Option<&Decision>,
+) {
+    if !stages.is_active() {
+        return;
     }
-    tracing::info_span!(
-        target: otel::TARGET,
-        "pick",
-        candidates = otel::int(candidates),
-        endpoint = tracing::field::Empty,
-        reason = tracing::field::Empty,
-        prompt_blocks = tracing::field::Empty,
-        cached_blocks = tracing::field::Empty,
-    )
+    let Some(d) = decision else {
+        stages.close(pick, [int("candidates", candidates)]);
+        return;
+    };
+    if let Some(phases) = d.phases {
+        let (start, end) = phases.lookup;
+        stages.record(
+            "index_lookup",
+            Some(pick),
+            start,
+            end,
+            [int("candidates", d.scores.len())],
+        );
+        let (start, end) = phases.score;
+        stages.record("score", Some(pick), start, end, []);
+    }
+    stages.close(
+        pick,
+        [
+            int("candidates", candidates),
+            KeyValue::new("endpoint", d.primary.address.to_string()),
+            KeyValue::new("reason", d.reason.as_str()),
+            int("prompt_blocks", d.prompt_blocks),
+            int(
+                "cached_blocks",
+                d.prompt_blocks.saturating_sub(d.uncached_blocks),
+            ),
+        ],
+    );
 }
 
 /// A routed request's response side: `first_token` from the pick to the first byte, then
-/// `decode` to the end; TTFT, ITL and usage land on the request's span.
+/// `decode` to the end; TTFT, ITL and usage land on the request's span. Dropping it (the
+/// response ended, or the request was forgotten) exports the request's stages.
 #[derive(Debug)]
 pub(super) struct ResponseTrace {
     request: Span,
-    phase: Span,
+    stages: StageLog,
+    phase: Option<StageId>,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -72,43 +103,41 @@ fn ms(d: Duration) -> f64 {
 }
 
 impl ResponseTrace {
-    /// Starts waiting for the first token under `request` (the current span at the pick).
-    pub(super) fn start(request: Span, model: &str) -> Self {
-        // Only a request's trace span: not the log's stream span, nor nothing (tracing off).
-        if request
-            .metadata()
-            .is_none_or(|m| m.target() != otel::TARGET)
-        {
+    /// Starts waiting for the first token under `request` (the current span at the pick), with
+    /// the decision's `stages`.
+    pub(super) fn start(request: Span, mut stages: StageLog, model: &str) -> Self {
+        // An active log means `request` is a request's trace span.
+        if !stages.is_active() {
             return Self {
                 request: Span::none(),
-                phase: Span::none(),
+                stages,
+                phase: None,
             };
         }
         request.record("model", model);
-        let phase = tracing::info_span!(target: otel::TARGET, parent: &request, "first_token");
-        Self { request, phase }
+        let phase = Some(stages.open("first_token", None));
+        Self {
+            request,
+            stages,
+            phase,
+        }
     }
 
     /// The first response byte arrived `ttft` after the pick.
     pub(super) fn first_byte(&mut self, ttft: Duration) {
-        if self.request.is_disabled() {
+        let Some(first_token) = self.phase else {
             return;
-        }
+        };
         self.request.record("ttft_ms", ms(ttft));
-        self.phase = tracing::info_span!(
-            target: otel::TARGET,
-            parent: &self.request,
-            "decode",
-            completion_tokens = tracing::field::Empty,
-            itl_ms = tracing::field::Empty,
-        );
+        self.stages.close(first_token, []);
+        self.phase = Some(self.stages.open("decode", None));
     }
 
     /// The response ended.
-    pub(super) fn completed(self, done: &Completed) {
-        if self.request.is_disabled() {
+    pub(super) fn completed(mut self, done: &Completed) {
+        let Some(phase) = self.phase else {
             return;
-        }
+        };
         // One record per span (each is a dispatch through the subscriber); `None` records nothing.
         let usage = done.usage;
         let completion = usage.map(|(_, c, _)| otel::int(c));
@@ -120,6 +149,10 @@ impl ResponseTrace {
             cached_tokens = usage.and_then(|(_, _, c)| c).map(otel::int),
             itl_ms = itl_ms,
         );
-        tracing::record_all!(self.phase, completion_tokens = completion, itl_ms = itl_ms);
+        let attributes = completion
+            .map(|c| KeyValue::new("completion_tokens", c))
+            .into_iter()
+            .chain(itl_ms.map(|itl| KeyValue::new("itl_ms", itl)));
+        self.stages.close(phase, attributes);
     }
 }

@@ -66,5 +66,6 @@ pub fn request<'a>(keys: &'a [BlockKey], now: u64) -> ScheduleRequest<'a> {
         model: "m",
         subset: None,
         now: Millis(now),
+        timed: false,
     }
 }
