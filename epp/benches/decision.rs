@@ -261,7 +261,10 @@ impl Bench {
     /// it computed, which stop at the first block no endpoint held).
     fn serve(&self, body: &[u8]) {
         use kvgate_epp::routing::request::{Api, parse};
-        let d = self.picker.route(chat_input(body)).expect("routed");
+        let d = self
+            .picker
+            .route(chat_input(body, &otel::RequestSpan::none()))
+            .expect("routed");
         self.picker.on_response(d.ticket, ResponseEvent::End);
         // The engine takes far longer to serve it than the picker to finish tokenizing it.
         self.picker.keyer().wait_idle();
@@ -375,7 +378,7 @@ struct Took {
 }
 
 /// A chat completion request with `body`, as the ext_proc stream hands it to the picker.
-fn chat_input(body: &[u8]) -> RoutingInput<'_> {
+fn chat_input<'a>(body: &'a [u8], trace: &'a otel::RequestSpan) -> RoutingInput<'a> {
     RoutingInput {
         method: "POST",
         path: "/v1/chat/completions",
@@ -383,6 +386,7 @@ fn chat_input(body: &[u8]) -> RoutingInput<'_> {
         body: Some(body),
         subset: None,
         request_id: None,
+        trace,
     }
 }
 
@@ -405,7 +409,6 @@ fn route(picker: &Picker, body: &[u8]) -> Took {
     thread_local! {
         static HEADERS: Vec<(String, String)> = traced_headers();
     }
-    let input = chat_input(body);
     let c = thread_cpu();
     let t = Instant::now();
     // As the ext_proc stream does: the sampling decision, then a span only for a traced request.
@@ -414,15 +417,15 @@ fn route(picker: &Picker, body: &[u8]) -> Took {
             kvgate_epp::extproc::request_span("POST", "/v1/chat/completions", "bench", h),
             None,
         ),
-        otel::Head::Skip { traceparent } => (tracing::Span::none(), traceparent),
+        otel::Head::Skip { traceparent } => (otel::RequestSpan::none(), traceparent),
     });
-    let d = span.in_scope(|| picker.route(input)).expect("routed");
-    let parent = (otel::trace_headers(&span), unsampled);
+    let d = picker.route(chat_input(body, &span)).expect("routed");
+    let parent = (span.trace_headers(), unsampled);
     let wall = t.elapsed();
     let cpu = thread_cpu().saturating_sub(c);
     std::hint::black_box(parent);
     let t = Instant::now();
-    span.in_scope(|| picker.on_response(d.ticket, ResponseEvent::End));
+    picker.on_response(d.ticket, ResponseEvent::End);
     drop(span);
     Took {
         wall,

@@ -465,6 +465,7 @@ async fn nats_outage_keeps_routing_and_resyncs_after_reconnect() {
             body: Some(body),
             subset: None,
             request_id: Some("r"),
+            trace: &otel::RequestSpan::none(),
         })
         .unwrap();
     assert_eq!(d.endpoints[0], "127.0.0.1:8000");

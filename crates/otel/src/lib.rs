@@ -9,20 +9,25 @@
 //! - [`head`]: the sampling decision, made before any span exists, so that a request that will
 //!   not be recorded costs no span (only sampled requests pay for their spans).
 //! - [`set_parent`] and [`trace_headers`]: W3C `traceparent`/`tracestate` read from a request and
-//!   written towards the next hop.
+//!   written towards the next hop, for `tracing` spans (the sidecar's).
+//! - [`RequestSpan`]: a request's span on a hot path (the EPP's `epp.request`), an SDK span held
+//!   directly, with the same W3C handling; it ends when its last clone drops.
 //! - [`StageLog`]: a request's short, nested stages (the EPP's parse, tokenize, pick…) kept as
-//!   clock readings and exported as child spans of the request's span when the log is dropped,
+//!   clock readings and exported as child spans of a [`RequestSpan`] when the log is dropped,
 //!   with the SDK's tracer directly: a fraction of what a `tracing` span costs.
 //! - [`receiver`] (feature `receiver`): an in-process OTLP trace receiver for tests and benches.
 //!
-//! Request spans are ordinary `tracing` spans with `target: otel::TARGET`; the stages under them
-//! are [`StageLog`] entries.
+//! The sidecar's spans are ordinary `tracing` spans with `target: otel::TARGET`. The EPP's are
+//! not `tracing` spans at all: a [`RequestSpan`] and its [`StageLog`], found through the
+//! subscriber [`init`] installs, so that a sampled decision pays a few clock reads and one SDK
+//! span instead of eight `tracing` spans (docs/benchmarks.md, "what tracing costs a decision").
 
 mod args;
 mod head;
 mod propagate;
 #[cfg(feature = "receiver")]
 pub mod receiver;
+mod request;
 mod setup;
 mod stages;
 
@@ -30,6 +35,7 @@ pub use args::{ArgsError, TracingArgs};
 pub use head::{Head, head};
 pub use opentelemetry::KeyValue;
 pub use propagate::{set_parent, trace_headers};
+pub use request::RequestSpan;
 pub use setup::{InitError, Telemetry, dispatch, init};
 pub use stages::{StageId, StageLog};
 

@@ -17,7 +17,7 @@ fn header<'a, I: AsRef<str>>(headers: &'a [(I, I)], name: &str) -> Option<&'a st
 /// The caller's context from a valid `traceparent` (the same rule as the sampling decision,
 /// [`crate::head`]) and its `tracestate`, if any. Of the flags only "sampled" is kept, as W3C
 /// Trace Context asks; an invalid `tracestate` is dropped.
-fn caller<I: AsRef<str>>(headers: &[(I, I)]) -> Option<SpanContext> {
+pub(crate) fn caller<I: AsRef<str>>(headers: &[(I, I)]) -> Option<SpanContext> {
     let (trace, span, flags) = crate::head::traceparent(header(headers, "traceparent")?)?;
     let state = header(headers, "tracestate")
         .and_then(|v| TraceState::from_str(v).ok())
@@ -47,8 +47,12 @@ pub fn trace_headers(span: &tracing::Span) -> Vec<(&'static str, String)> {
     if span.is_disabled() {
         return Vec::new();
     }
-    let cx = span.context();
-    let sc = cx.span().span_context().clone();
+    headers_for(span.context().span().span_context())
+}
+
+/// `traceparent` (and a non-empty `tracestate`) naming `sc` as the next hop's parent; empty for
+/// an invalid context. Only the sampled flag is sent.
+pub(crate) fn headers_for(sc: &SpanContext) -> Vec<(&'static str, String)> {
     if !sc.is_valid() {
         return Vec::new();
     }

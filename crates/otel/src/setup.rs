@@ -10,7 +10,6 @@ use tracing_subscriber::filter::{EnvFilter, LevelFilter, Targets};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::{Layer, fmt};
 
-use crate::stages::StageSink;
 use crate::{ArgsError, TARGET, TracingArgs};
 
 /// How long one export may take before the batch is dropped.
@@ -70,6 +69,16 @@ impl Drop for Telemetry {
         self.stop();
     }
 }
+
+/// Holds the exporter's tracer in the subscriber [`dispatch`] builds: [`crate::RequestSpan`]
+/// finds it by downcasting the current dispatcher. It sees no `tracing` span or event (its
+/// filter is off).
+#[derive(Debug)]
+pub(crate) struct TracerLayer {
+    pub(crate) tracer: opentelemetry_sdk::trace::SdkTracer,
+}
+
+impl<S: tracing::Subscriber> Layer<S> for TracerLayer {}
 
 /// The stderr log's filter: `RUST_LOG` (default `info`), with request spans kept out of the log
 /// unless `RUST_LOG` names [`TARGET`].
@@ -161,12 +170,13 @@ pub fn dispatch(
         .with_tracked_inactivity(false)
         .with_tracer(tracer.clone())
         .with_filter(Targets::new().with_target(TARGET, tracing::Level::INFO));
-    // Stage spans (`StageLog`) are built with the same tracer, found through this layer.
-    let stages = StageSink { tracer }.with_filter(LevelFilter::OFF);
+    // Request spans (`RequestSpan`) and their stages are built with the same tracer, found
+    // through this layer.
+    let tracer = TracerLayer { tracer }.with_filter(LevelFilter::OFF);
     let subscriber = tracing_subscriber::registry()
         .with(log)
         .with(traces)
-        .with(stages);
+        .with(tracer);
     Ok((
         tracing::Dispatch::new(subscriber),
         Telemetry {

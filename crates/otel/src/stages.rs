@@ -7,27 +7,17 @@
 //! (docs/benchmarks.md, "what tracing costs a decision"). The stages of a routing decision are
 //! short, strictly nested and known only to the code that runs them, so a [`StageLog`] keeps
 //! their clock readings and attributes, and builds the spans with the SDK's tracer when it is
-//! dropped, as children of the request's (`tracing`) span. The decision pays a clock read per
+//! dropped, as children of the request's span ([`RequestSpan`]). The decision pays a clock read per
 //! stage boundary; building and queueing the spans happens when the log is dropped, which the
 //! EPP does at the response's end.
 
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use opentelemetry::trace::{Span as _, SpanBuilder, TraceContextExt as _, Tracer as _};
 use opentelemetry::{Context, KeyValue};
-use opentelemetry_sdk::trace::SdkTracer;
-use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-use tracing_subscriber::Layer;
 
-/// Holds the tracer that stage spans are built with, in the subscriber [`crate::dispatch`]
-/// builds when it exports. It sees no `tracing` span or event (its filter is off); a
-/// [`StageLog`] finds it by downcasting the request span's dispatcher.
-#[derive(Debug)]
-pub(crate) struct StageSink {
-    pub(crate) tracer: SdkTracer,
-}
-
-impl<S: tracing::Subscriber> Layer<S> for StageSink {}
+use crate::request::{Inner, RequestSpan};
 
 /// A stage of a [`StageLog`], to name as a later stage's parent or to close.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,8 +42,8 @@ pub struct StageLog {
 
 #[derive(Debug)]
 struct Active {
-    tracer: SdkTracer,
-    request: tracing::Span,
+    /// The request's span (kept open until the stages are exported) and the tracer.
+    request: Arc<Inner>,
     /// One reading of both clocks: stages are timed on the monotonic clock and exported on
     /// the wall clock.
     wall: SystemTime,
@@ -70,29 +60,14 @@ impl StageLog {
         Self { active: None }
     }
 
-    /// A log for `request` when it is a request's trace span (target [`crate::TARGET`], enabled)
-    /// of a subscriber that exports; otherwise inactive.
-    pub fn start(request: &tracing::Span) -> Self {
-        if request
-            .metadata()
-            .is_none_or(|m| m.target() != crate::TARGET)
-        {
-            return Self::none();
-        }
-        let tracer = request
-            .with_subscriber(|(_, dispatch)| {
-                dispatch
-                    .downcast_ref::<StageSink>()
-                    .map(|sink| sink.tracer.clone())
-            })
-            .flatten();
-        let Some(tracer) = tracer else {
+    /// A log under `request`; inactive when the request is not traced.
+    pub fn start(request: &RequestSpan) -> Self {
+        let Some(inner) = request.inner() else {
             return Self::none();
         };
         Self {
             active: Some(Active {
-                tracer,
-                request: request.clone(),
+                request: Arc::clone(inner),
                 wall: SystemTime::now(),
                 mono: Instant::now(),
                 stages: Vec::with_capacity(EXPECTED_STAGES),
@@ -195,10 +170,7 @@ impl Active {
     /// Builds and ends every stage's span: parents before their children (a parent is always
     /// an earlier stage), each ended at its recorded end, or now if it was left open.
     fn export(mut self) {
-        let request = self.request.context();
-        if !request.span().span_context().is_valid() {
-            return;
-        }
+        let request = self.request.cx.clone();
         let now = Instant::now();
         let stages = std::mem::take(&mut self.stages);
         let is_parent: Vec<bool> = (0..stages.len())
@@ -215,7 +187,7 @@ impl Active {
             let builder = SpanBuilder::from_name(stage.name)
                 .with_start_time(self.wall(stage.start))
                 .with_attributes(stage.attributes);
-            let mut span = self.tracer.build_with_context(builder, cx);
+            let mut span = self.request.tracer.build_with_context(builder, cx);
             let end = self.wall(stage.end.unwrap_or(now).max(stage.start));
             if is_parent {
                 parents.push(Some((cx.with_span(span), end)));
@@ -239,19 +211,21 @@ impl Drop for StageLog {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
+    use crate::setup::TracerLayer;
     use opentelemetry::trace::TracerProvider as _;
     use opentelemetry_sdk::error::OTelSdkResult;
     use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
-    use std::sync::{Arc, Mutex};
+    use std::sync::Mutex;
     use std::time::Duration;
+    use tracing_subscriber::Layer as _;
     use tracing_subscriber::layer::SubscriberExt;
 
     /// Keeps every exported span.
     #[derive(Debug, Clone, Default)]
-    struct Kept(Arc<Mutex<Vec<SpanData>>>);
+    pub(crate) struct Kept(Arc<Mutex<Vec<SpanData>>>);
 
     impl SpanExporter for Kept {
         async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
@@ -261,20 +235,29 @@ mod tests {
     }
 
     impl Kept {
-        fn get_finished_spans(&self) -> Result<Vec<SpanData>, ()> {
+        pub(crate) fn get_finished_spans(&self) -> Result<Vec<SpanData>, ()> {
             Ok(self.0.lock().unwrap().clone())
+        }
+
+        pub(crate) fn names(&self) -> Vec<String> {
+            self.0
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|s| s.name.to_string())
+                .collect()
         }
     }
 
-    fn exporting() -> (Kept, SdkTracerProvider, tracing::Dispatch) {
+    /// A subscriber with the tracer layer, exporting each ended span at once to `Kept`.
+    pub(crate) fn exporting() -> (Kept, SdkTracerProvider, tracing::Dispatch) {
         let exporter = Kept::default();
         let provider = SdkTracerProvider::builder()
             .with_simple_exporter(exporter.clone())
             .build();
         let tracer = provider.tracer("test");
-        let subscriber = tracing_subscriber::registry()
-            .with(tracing_opentelemetry::layer().with_tracer(tracer.clone()))
-            .with(StageSink { tracer }.with_filter(tracing::level_filters::LevelFilter::OFF));
+        let layer = TracerLayer { tracer }.with_filter(tracing::level_filters::LevelFilter::OFF);
+        let subscriber = tracing_subscriber::registry().with(layer);
         (exporter, provider, tracing::Dispatch::new(subscriber))
     }
 
@@ -282,27 +265,42 @@ mod tests {
         spans.iter().find(|s| s.name == name).unwrap()
     }
 
+    fn request(dispatch: &tracing::Dispatch) -> RequestSpan {
+        tracing::dispatcher::with_default(dispatch, || {
+            RequestSpan::start::<&str>("request", &[], Vec::new())
+        })
+    }
+
     #[test]
     fn stages_become_children_of_the_request_with_their_own_times() {
         let (exporter, provider, dispatch) = exporting();
-        tracing::dispatcher::with_default(&dispatch, || {
-            let request = tracing::info_span!(target: crate::TARGET, "request");
-            let mut log = StageLog::start(&request);
-            assert!(log.is_active());
-            let t0 = Instant::now();
-            let ms = |n| t0 + Duration::from_millis(n);
-            log.record("parse", None, ms(0), ms(1), [KeyValue::new("bytes", 10)]);
-            let pick = log.open_at("pick", None, ms(1));
-            log.record("lookup", Some(pick), ms(1), ms(2), []);
-            log.record("score", Some(pick), ms(2), ms(4), []);
-            log.close_at(pick, ms(5), [KeyValue::new("endpoint", "a")]);
-            let open = log.open_at("first_token", None, ms(5));
-            log.annotate(open, [KeyValue::new("late", true)]);
-            drop(log);
-            drop(request);
-        });
+        let request = request(&dispatch);
+        let mut log = StageLog::start(&request);
+        assert!(log.is_active());
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        log.record("parse", None, ms(0), ms(1), [KeyValue::new("bytes", 10)]);
+        let pick = log.open_at("pick", None, ms(1));
+        log.record("lookup", Some(pick), ms(1), ms(2), []);
+        log.record("score", Some(pick), ms(2), ms(4), []);
+        log.close_at(pick, ms(5), [KeyValue::new("endpoint", "a")]);
+        let open = log.open_at("first_token", None, ms(5));
+        log.annotate(open, [KeyValue::new("late", true)]);
+        drop(request);
+        provider.force_flush().unwrap();
+        assert!(
+            Kept::names(&exporter).is_empty(),
+            "the log keeps the request open: {:?}",
+            Kept::names(&exporter)
+        );
+        drop(log);
         provider.force_flush().unwrap();
         let spans = exporter.get_finished_spans().unwrap();
+        assert_eq!(
+            spans.last().map(|s| s.name.to_string()).as_deref(),
+            Some("request"),
+            "the request ends after its stages"
+        );
         let request = named(&spans, "request");
         let id = request.span_context.span_id();
         for name in ["parse", "pick", "first_token"] {
@@ -334,42 +332,28 @@ mod tests {
     }
 
     #[test]
-    fn nothing_is_recorded_without_a_request_span_or_an_exporter() {
-        let (exporter, provider, dispatch) = exporting();
-        tracing::dispatcher::with_default(&dispatch, || {
-            // Not a request's trace span.
-            let other = tracing::info_span!("stream");
-            let mut log = StageLog::start(&other);
-            assert!(!log.is_active());
-            let id = log.open("parse", None);
-            log.close(id, [KeyValue::new("bytes", 1)]);
-        });
-        // A request span under a subscriber without the sink.
-        let plain = tracing_subscriber::registry();
-        tracing::subscriber::with_default(plain, || {
-            let request = tracing::info_span!(target: crate::TARGET, "request");
-            assert!(!StageLog::start(&request).is_active());
-        });
-        assert!(!StageLog::start(&tracing::Span::none()).is_active());
-        provider.force_flush().unwrap();
-        let spans = exporter.get_finished_spans().unwrap();
-        assert!(spans.iter().all(|s| s.name != "parse"), "{spans:#?}");
+    fn nothing_is_recorded_for_an_untraced_request() {
+        let mut log = StageLog::start(&RequestSpan::none());
+        assert!(!log.is_active());
+        let id = log.open("parse", None);
+        log.close(id, [KeyValue::new("bytes", 1)]);
+        log.annotate(id, [KeyValue::new("bytes", 1)]);
+        assert!(!StageLog::none().is_active());
     }
 
     #[test]
     fn a_parent_must_come_first_and_ends_are_never_before_starts() {
         let (exporter, provider, dispatch) = exporting();
-        tracing::dispatcher::with_default(&dispatch, || {
-            let request = tracing::info_span!(target: crate::TARGET, "request");
-            let mut log = StageLog::start(&request);
-            let t0 = Instant::now();
-            // A parent that does not exist (yet) is ignored: the stage hangs under the request.
-            log.record("orphan", Some(StageId(5)), t0, t0, []);
-            // An end before the start is clamped to the start.
-            let late = t0 + Duration::from_millis(3);
-            log.record("backwards", None, late, t0, []);
-            drop(log);
-        });
+        let request = request(&dispatch);
+        let mut log = StageLog::start(&request);
+        let t0 = Instant::now();
+        // A parent that does not exist (yet) is ignored: the stage hangs under the request.
+        log.record("orphan", Some(StageId(5)), t0, t0, []);
+        // An end before the start is clamped to the start.
+        let late = t0 + Duration::from_millis(3);
+        log.record("backwards", None, late, t0, []);
+        drop(log);
+        drop(request);
         provider.force_flush().unwrap();
         let spans = exporter.get_finished_spans().unwrap();
         let request = named(&spans, "request").span_context.span_id();

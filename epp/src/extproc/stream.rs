@@ -25,6 +25,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_response::Response,
 };
 
+use otel::KeyValue;
+
 use super::DESTINATION_ENDPOINT_HEADER;
 use super::body::{BodyBuffer, TooLarge, streamed_chunks};
 use super::handoff::{Claimed, Handoffs};
@@ -142,7 +144,7 @@ impl StreamError {
 struct Ticket {
     sink: Option<Sink>,
     /// The request's trace span: the router's spans for the response hang under it.
-    span: tracing::Span,
+    span: otel::RequestSpan,
 }
 
 /// Where a ticket's events go.
@@ -154,17 +156,17 @@ enum Sink {
 }
 
 impl Sink {
-    fn report(&self, span: &tracing::Span, event: ResponseEvent) {
+    fn report(&self, event: ResponseEvent) {
         match self {
-            Self::Local { id, router } => span.in_scope(|| router.on_response(*id, event)),
+            Self::Local { id, router } => router.on_response(*id, event),
             Self::Relay(relay) => relay.report(event),
         }
     }
 
-    fn close(self, span: &tracing::Span, event: ResponseEvent) {
-        span.record("outcome", outcome(&event));
+    fn close(self, span: &otel::RequestSpan, event: ResponseEvent) {
+        span.set(KeyValue::new("outcome", outcome(&event)));
         match self {
-            Self::Local { id, router } => span.in_scope(|| router.on_response(id, event)),
+            Self::Local { id, router } => router.on_response(id, event),
             Self::Relay(relay) => relay.close(event),
         }
     }
@@ -174,11 +176,13 @@ impl Ticket {
     fn report(&self, event: ResponseEvent) {
         debug_assert!(!event.is_terminal());
         if let ResponseEvent::Headers { status, .. } = &event {
-            self.span
-                .record("http.response.status_code", otel::int(*status));
+            self.span.set(KeyValue::new(
+                "http.response.status_code",
+                otel::int(*status),
+            ));
         }
         if let Some(sink) = &self.sink {
-            sink.report(&self.span, event);
+            sink.report(event);
         }
     }
 
@@ -206,36 +210,25 @@ fn outcome(event: &ResponseEvent) -> &'static str {
     }
 }
 
-/// The span a request's trace is made of in the EPP (target [`otel::TARGET`]): a child of the
-/// caller's W3C trace context when `headers` (lower-case names) carry one. The router's spans
-/// (parse, tokenize, pick, first token, decode) hang under it; it ends with the response.
-/// Disabled, at the cost of one cached check, when tracing is off. Create it only for a request
-/// [`otel::head`] says to trace.
+/// The span a request's trace is made of in the EPP (`epp.request`): a child of the caller's
+/// W3C trace context when `headers` (lower-case names) carry one. The router's stages (parse,
+/// tokenize, pick, first token, decode) hang under it; it ends with the response. Records
+/// nothing when tracing is off. Create it only for a request [`otel::head`] says to trace.
 pub fn request_span(
     method: &str,
     path: &str,
     request_id: &str,
     headers: &[(String, String)],
-) -> tracing::Span {
-    let span = tracing::info_span!(
-        target: otel::TARGET,
+) -> otel::RequestSpan {
+    otel::RequestSpan::start(
         "epp.request",
-        otel.kind = "server",
-        request_id,
-        http.request.method = method,
-        url.path = path,
-        endpoints = tracing::field::Empty,
-        http.response.status_code = tracing::field::Empty,
-        outcome = tracing::field::Empty,
-        model = tracing::field::Empty,
-        prompt_tokens = tracing::field::Empty,
-        cached_tokens = tracing::field::Empty,
-        completion_tokens = tracing::field::Empty,
-        ttft_ms = tracing::field::Empty,
-        itl_ms = tracing::field::Empty,
-    );
-    otel::set_parent(&span, headers);
-    span
+        headers,
+        vec![
+            KeyValue::new("request_id", request_id.to_owned()),
+            KeyValue::new("http.request.method", method.to_owned()),
+            KeyValue::new("url.path", path.to_owned()),
+        ],
+    )
 }
 
 impl std::fmt::Debug for Ticket {
@@ -337,8 +330,8 @@ pub struct ExtProcStream {
     request: RequestPhase,
     response: Option<Observer>,
     /// The request's trace span (`epp.request`), from its headers to the response's end;
-    /// disabled when tracing is off or the request is not sampled.
-    span: tracing::Span,
+    /// recording nothing when tracing is off or the request is not sampled.
+    span: otel::RequestSpan,
     /// An unsampled request's generated `traceparent`, sent on so later hops keep the decision.
     unsampled_parent: Option<String>,
 }
@@ -367,7 +360,7 @@ impl ExtProcStream {
             request_id: None,
             request: RequestPhase::AwaitingHeaders,
             response: None,
-            span: tracing::Span::none(),
+            span: otel::RequestSpan::none(),
             unsampled_parent: None,
         }
     }
@@ -512,7 +505,7 @@ impl ExtProcStream {
             Claimed::Relay(relay) => Observer {
                 ticket: Ticket {
                     sink: Some(Sink::Relay(relay)),
-                    span: tracing::Span::none(),
+                    span: otel::RequestSpan::none(),
                 },
                 phase: ResponsePhase::AwaitingHeaders,
                 rewriter: header(RESPONSE_MODEL_HEADER)
@@ -662,9 +655,10 @@ impl ExtProcStream {
             "request answered by the EPP"
         );
         self.request = RequestPhase::Refused;
-        self.span
-            .record("http.response.status_code", otel::int(refusal.status));
-        self.span.record("outcome", refusal.reason);
+        self.span.set_all([
+            KeyValue::new("http.response.status_code", otel::int(refusal.status)),
+            KeyValue::new("outcome", refusal.reason),
+        ]);
         vec![refusal.into_response(self.request_id.as_deref())]
     }
 
@@ -688,8 +682,9 @@ impl ExtProcStream {
             body: body.as_deref(),
             subset: self.subset.clone(),
             request_id: Some(&head.request_id),
+            trace: &self.span,
         };
-        let decision = match self.span.in_scope(|| self.router.route(input)) {
+        let decision = match self.router.route(input) {
             Ok(d) => d,
             Err(rejection) => return self.refuse(Refusal::from(&rejection)),
         };
@@ -722,7 +717,9 @@ impl ExtProcStream {
         };
         let endpoints = endpoints.join(",");
         tracing::Span::current().record("endpoint", endpoints.as_str());
-        self.span.record("endpoints", endpoints.as_str());
+        if self.span.is_recording() {
+            self.span.set(KeyValue::new("endpoints", endpoints.clone()));
+        }
         tracing::debug!(endpoint = %endpoints, "picked");
 
         let body_changed = new_body.is_some();
@@ -746,7 +743,8 @@ impl ExtProcStream {
         // The engine's side of the trace continues from this request's span (nothing is
         // written when tracing is off: a client's own `traceparent` passes through).
         set_headers.extend(
-            otel::trace_headers(&self.span)
+            self.span
+                .trace_headers()
                 .iter()
                 .map(|(name, value)| set(name, value)),
         );

@@ -381,9 +381,9 @@ impl Router for Picker {
         let started = Instant::now();
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
         let endpoints = self.health.mask(self.datastore.snapshot());
-        // Stages only under a traced request's span (one look at the current span); a refused
-        // request's are exported when `stages` drops.
-        let mut stages = StageLog::start(&tracing::Span::current());
+        // Stages only under a traced request's span; a refused request's are exported when
+        // `stages` drops.
+        let mut stages = StageLog::start(input.trace);
         let prepared = match self.prepare(&input, ticket, &endpoints, &mut stages) {
             Ok(p) => p,
             Err((rejection, model)) => return Err(self.reject(rejection, &model)),
@@ -469,7 +469,7 @@ impl Router for Picker {
             first_byte: None,
             status: 0,
             usage: None,
-            trace: ResponseTrace::start(tracing::Span::current(), stages, &prepared.model),
+            trace: ResponseTrace::start(input.trace.clone(), stages, &prepared.model),
         };
         self.tickets
             .lock()
@@ -655,8 +655,12 @@ mod tests {
             body,
             subset,
             request_id: Some("r1"),
+            trace: &NO_TRACE,
         }
     }
+
+    /// An untraced request's span.
+    static NO_TRACE: otel::RequestSpan = otel::RequestSpan::none();
 
     #[test]
     fn routes_parses_and_frees_in_flight_state() {

@@ -2,7 +2,7 @@
 //! with the scheduler's `index_lookup` and `score` under it) and the response's (`first_token`
 //! from the pick to the first byte, then `decode` to the end). They are kept in an
 //! [`otel::StageLog`] and exported as children of the request's span (`epp.request`, the
-//! ext_proc stream's) when the response ends, or at once when the request is refused: the
+//! ext_proc stream's [`otel::RequestSpan`]) when the response ends, or at once when the request is refused: the
 //! decision itself pays a clock read per stage boundary. An untraced request's log is inactive,
 //! and every call here is then a no-op.
 //!
@@ -11,9 +11,8 @@
 
 use std::time::Duration;
 
-use otel::{KeyValue, StageId, StageLog};
+use otel::{KeyValue, RequestSpan, StageId, StageLog};
 use scheduler::Decision;
-use tracing::Span;
 
 use super::keys::Keyed;
 use super::stats::Completed;
@@ -93,7 +92,7 @@ pub(super) fn picked(
 /// response ended, or the request was forgotten) exports the request's stages.
 #[derive(Debug)]
 pub(super) struct ResponseTrace {
-    request: Span,
+    request: RequestSpan,
     stages: StageLog,
     phase: Option<StageId>,
 }
@@ -103,18 +102,16 @@ fn ms(d: Duration) -> f64 {
 }
 
 impl ResponseTrace {
-    /// Starts waiting for the first token under `request` (the current span at the pick), with
-    /// the decision's `stages`.
-    pub(super) fn start(request: Span, mut stages: StageLog, model: &str) -> Self {
-        // An active log means `request` is a request's trace span.
+    /// Starts waiting for the first token under `request`, with the decision's `stages`.
+    pub(super) fn start(request: RequestSpan, mut stages: StageLog, model: &str) -> Self {
         if !stages.is_active() {
             return Self {
-                request: Span::none(),
+                request: RequestSpan::none(),
                 stages,
                 phase: None,
             };
         }
-        request.record("model", model);
+        request.set(KeyValue::new("model", model.to_owned()));
         let phase = Some(stages.open("first_token", None));
         Self {
             request,
@@ -128,7 +125,7 @@ impl ResponseTrace {
         let Some(first_token) = self.phase else {
             return;
         };
-        self.request.record("ttft_ms", ms(ttft));
+        self.request.set(KeyValue::new("ttft_ms", ms(ttft)));
         self.stages.close(first_token, []);
         self.phase = Some(self.stages.open("decode", None));
     }
@@ -138,16 +135,22 @@ impl ResponseTrace {
         let Some(phase) = self.phase else {
             return;
         };
-        // One record per span (each is a dispatch through the subscriber); `None` records nothing.
         let usage = done.usage;
         let completion = usage.map(|(_, c, _)| otel::int(c));
         let itl_ms = done.itl_seconds().map(|itl| itl * 1e3);
-        tracing::record_all!(
-            self.request,
-            prompt_tokens = usage.map(|(p, _, _)| otel::int(p)),
-            completion_tokens = completion,
-            cached_tokens = usage.and_then(|(_, _, c)| c).map(otel::int),
-            itl_ms = itl_ms,
+        let kv = |key, value: Option<i64>| value.map(|v| KeyValue::new(key, v));
+        self.request.set_all(
+            [
+                kv("prompt_tokens", usage.map(|(p, _, _)| otel::int(p))),
+                kv("completion_tokens", completion),
+                kv(
+                    "cached_tokens",
+                    usage.and_then(|(_, _, c)| c).map(otel::int),
+                ),
+                itl_ms.map(|itl| KeyValue::new("itl_ms", itl)),
+            ]
+            .into_iter()
+            .flatten(),
         );
         let attributes = completion
             .map(|c| KeyValue::new("completion_tokens", c))
