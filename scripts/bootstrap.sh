@@ -23,6 +23,17 @@ sudo_if_needed() {
   fi
 }
 
+# --- Disk space ----------------------------------------------------------------------------
+# A debug build of the workspace and its tests takes about 12 GB of target directory, the
+# release and fuzz builds 8 GB more, the caches below 2 GB. Say so before a build runs out.
+target_dir=${CARGO_TARGET_DIR:-$root/target}
+mkdir -p "$target_dir"
+free_gb=$(df -Pk "$target_dir" | awk 'NR == 2 { print int($4 / 1048576) }')
+if [ "${free_gb:-0}" -lt 20 ]; then
+  say "warning: ${free_gb} GB free on the disk of $target_dir; a build and test run needs about 20 GB"
+  say "warning: scripts/prune-target.sh removes replaced test executables; cargo clean removes all"
+fi
+
 # --- Debian packages ---------------------------------------------------------------------
 missing=()
 command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
