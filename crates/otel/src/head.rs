@@ -22,8 +22,8 @@ pub(crate) fn set_ratio(ratio: f64) {
 /// What to do with one request's trace.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Head {
-    /// Record it: create the request's spans (under the caller's context, see
-    /// [`crate::set_parent`]).
+    /// Record it: create the request's spans, under the caller's context
+    /// ([`crate::RequestSpan::start`], or [`crate::set_parent`] for a `tracing` span).
     Trace,
     /// Create no span. `traceparent`, when set, goes to the next hop in place of the request's
     /// (which had none, or an invalid one): an unsampled context carrying the decision on.

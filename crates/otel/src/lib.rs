@@ -19,8 +19,9 @@
 //!
 //! The sidecar's spans are ordinary `tracing` spans with `target: otel::TARGET`. The EPP's are
 //! not `tracing` spans at all: a [`RequestSpan`] and its [`StageLog`], found through the
-//! subscriber [`init`] installs, so that a sampled decision pays a few clock reads and one SDK
-//! span instead of eight `tracing` spans (docs/benchmarks.md, "what tracing costs a decision").
+//! subscriber [`init`] installs: a sampled decision pays one SDK span and a clock read per stage,
+//! and the seven stage spans are built when the response ends, instead of eight `tracing` spans
+//! inside the decision (docs/benchmarks.md, "what tracing costs a decision").
 
 mod args;
 mod head;
@@ -39,7 +40,8 @@ pub use request::RequestSpan;
 pub use setup::{InitError, Telemetry, dispatch, init};
 pub use stages::{StageId, StageLog};
 
-/// The `tracing` target of every span exported as part of a request's trace.
+/// The `tracing` target of the `tracing` spans exported as part of a request's trace (the
+/// sidecar's; the EPP's spans are a [`RequestSpan`] and its [`StageLog`], outside `tracing`).
 pub const TARGET: &str = "kvgate::trace";
 
 /// A count, size or status code as a span attribute. OpenTelemetry's integers are signed 64-bit,

@@ -33,12 +33,14 @@ pub fn set_parent<I: AsRef<str>>(span: &tracing::Span, headers: &[(I, I)]) {
     if span.is_disabled() {
         return;
     }
-    let Some(parent) = caller(headers) else {
-        return;
+    // An empty context makes the span a root even under another traced span.
+    let parent = match caller(headers) {
+        Some(caller) => Context::new().with_remote_span_context(caller),
+        None => Context::new(),
     };
     // Only fails when tracing is off (no OpenTelemetry layer) or the span has started: either
     // way the span keeps the parent it has.
-    let _ = span.set_parent(Context::new().with_remote_span_context(parent));
+    let _ = span.set_parent(parent);
 }
 
 /// The `traceparent` (and `tracestate`, when the trace has one) naming `span` as the parent of
@@ -107,6 +109,17 @@ mod tests {
             set_parent(&fresh, &[("traceparent", "00-zz-00f067aa0ba902b7-01")]);
             let out = trace_headers(&fresh);
             assert!(!out[0].1.contains("4bf92f3577b34da6a3ce929d0e0e4736"));
+
+            // So does a request without one, even inside another traced span.
+            span.in_scope(|| {
+                let inner = tracing::info_span!(target: crate::TARGET, "hop");
+                set_parent(&inner, &[("x-other", "1")]);
+                let out = trace_headers(&inner);
+                assert!(
+                    !out[0].1.contains("4bf92f3577b34da6a3ce929d0e0e4736"),
+                    "{out:?}"
+                );
+            });
         });
     }
 

@@ -156,11 +156,11 @@ pub fn dispatch(
         .with_sampler(Sampler::ParentBased(Box::new(Sampler::AlwaysOn)))
         .with_resource(Resource::builder().with_service_name(name).build())
         .build();
-    // A request's spans say what happened to the request: the source location, thread, target
-    // and busy/idle split of each span would cost allocations per span and tell an operator
-    // nothing (measured: docs/benchmarks.md, "what tracing costs a decision"). Nothing in
-    // kvgate reads OpenTelemetry's current context (parents come from `tracing`'s span tree,
-    // trace headers from the span itself), so entering a span does not activate its context.
+    // The `tracing` spans exported here (the sidecar's) say what happened to the request: the
+    // source location, thread, target and busy/idle split of each span would cost allocations
+    // per span and tell an operator nothing. Nothing in kvgate reads OpenTelemetry's current
+    // context (a `tracing` span's parent comes from `tracing`'s span tree, trace headers from
+    // the span itself), so entering a span does not activate its context.
     let tracer = provider.tracer(service.to_owned());
     let traces = tracing_opentelemetry::layer()
         .with_location(false)

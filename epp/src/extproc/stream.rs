@@ -688,6 +688,17 @@ impl ExtProcStream {
             Ok(d) => d,
             Err(rejection) => return self.refuse(Refusal::from(&rejection)),
         };
+        if let Err(problem) = validate(&decision) {
+            tracing::error!(%problem, endpoints = ?decision.endpoints, "router returned an unusable decision");
+            // The router's ticket ends here; the span's outcome is the refusal's.
+            self.router
+                .on_response(decision.ticket, ResponseEvent::Aborted);
+            return self.refuse(Refusal {
+                status: 503,
+                reason: "invalid-decision",
+                message: "the endpoint picker could not pick an endpoint".into(),
+            });
+        }
         let ticket = Ticket {
             sink: Some(Sink::Local {
                 id: decision.ticket,
@@ -695,15 +706,6 @@ impl ExtProcStream {
             }),
             span: self.span.clone(),
         };
-        if let Err(problem) = validate(&decision) {
-            tracing::error!(%problem, endpoints = ?decision.endpoints, "router returned an unusable decision");
-            drop(ticket);
-            return self.refuse(Refusal {
-                status: 503,
-                reason: "invalid-decision",
-                message: "the endpoint picker could not pick an endpoint".into(),
-            });
-        }
         let Decision {
             endpoints,
             body: new_body,
