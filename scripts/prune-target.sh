@@ -16,6 +16,9 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dir=${1:-${CARGO_TARGET_DIR:-$root/target}}
 [ -d "$dir" ] || { echo "prune-target: no target directory at $dir"; exit 0; }
+for tool in python3 flock; do
+  command -v "$tool" >/dev/null 2>&1 || { echo "prune-target: $tool missing; nothing pruned"; exit 0; }
+done
 for profile in "$dir"/*/ "$dir"/*/*/release/; do
   profile=${profile%/}
   [ -d "$profile/deps" ] && [ -d "$profile/.fingerprint" ] || continue
