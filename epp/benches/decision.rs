@@ -413,8 +413,13 @@ fn route(picker: &Picker, body: &[u8]) -> Took {
     let t = Instant::now();
     // As the ext_proc stream does: the sampling decision, then a span only for a traced request.
     let (span, unsampled) = HEADERS.with(|h| match otel::head(h) {
-        otel::Head::Trace => (
-            kvgate_epp::extproc::request_span("POST", "/v1/chat/completions", "bench", h),
+        otel::Head::Trace { parent } => (
+            kvgate_epp::extproc::request_span(
+                "POST",
+                "/v1/chat/completions",
+                "bench",
+                parent.as_ref(),
+            ),
             None,
         ),
         otel::Head::Skip { traceparent } => (otel::RequestSpan::none(), traceparent),

@@ -11,6 +11,8 @@ use std::sync::OnceLock;
 use opentelemetry::trace::{SpanId, TraceId};
 use opentelemetry_sdk::trace::{IdGenerator, RandomIdGenerator};
 
+use crate::Parent;
+
 /// The sample ratio of the process's exporter; unset while tracing is off.
 static RATIO: OnceLock<f64> = OnceLock::new();
 
@@ -22,9 +24,12 @@ pub(crate) fn set_ratio(ratio: f64) {
 /// What to do with one request's trace.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Head {
-    /// Record it: create the request's spans, under the caller's context
-    /// ([`crate::RequestSpan::start`], or [`crate::set_parent`] for a `tracing` span).
-    Trace,
+    /// Record it: create the request's spans under `parent`, the caller's context (none: a new
+    /// trace), with [`crate::RequestSpan::start`] or, for a `tracing` span, [`crate::set_parent`].
+    Trace {
+        /// The caller's context, read from the headers once.
+        parent: Option<Parent>,
+    },
     /// Create no span. `traceparent`, when set, goes to the next hop in place of the request's
     /// (which had none, or an invalid one): an unsampled context carrying the decision on.
     Skip {
@@ -37,7 +42,7 @@ pub enum Head {
 /// four fields; a later version (not `ff`) may add fields after them, which are ignored, as W3C
 /// Trace Context asks. Ids of all zeros, upper-case or missing digits make it invalid (the
 /// request then starts a new trace). Read by position (the fields have fixed widths): it runs
-/// twice per traced request, for the sampling decision and for the request span's parent.
+/// for every request while tracing is on.
 pub(crate) fn traceparent(value: &str) -> Option<(TraceId, SpanId, u8)> {
     /// `version-trace-span-flags`: 2 + 1 + 32 + 1 + 16 + 1 + 2.
     const LEN: usize = 55;
@@ -75,31 +80,28 @@ fn hex(digits: &[u8]) -> Option<u128> {
     })
 }
 
-/// The caller's sampled flag, when `value` is a valid `traceparent`.
-fn caller_sampled(value: &str) -> Option<bool> {
-    traceparent(value).map(|(_, _, flags)| flags & 1 == 1)
-}
-
 /// Decides one request's trace from its headers (lower-case names).
 pub fn head<I: AsRef<str>>(headers: &[(I, I)]) -> Head {
     let Some(&ratio) = RATIO.get() else {
         return Head::Skip { traceparent: None };
     };
-    let parent = headers
-        .iter()
-        .find(|(k, _)| k.as_ref().eq_ignore_ascii_case("traceparent"))
-        .and_then(|(_, v)| caller_sampled(v.as_ref()));
-    decide(parent, ratio, &RandomIdGenerator::default())
+    decide(
+        Parent::from_headers(headers),
+        ratio,
+        &RandomIdGenerator::default(),
+    )
 }
 
-fn decide(parent: Option<bool>, ratio: f64, ids: &dyn IdGenerator) -> Head {
-    match parent {
-        Some(true) => Head::Trace,
-        Some(false) => Head::Skip { traceparent: None },
+fn decide(caller: Option<Parent>, ratio: f64, ids: &dyn IdGenerator) -> Head {
+    match caller {
+        Some(parent) if parent.is_sampled() => Head::Trace {
+            parent: Some(parent),
+        },
+        Some(_) => Head::Skip { traceparent: None },
         None => {
             let trace = ids.new_trace_id();
             if sampled(trace, ratio) {
-                return Head::Trace;
+                return Head::Trace { parent: None };
             }
             let span: SpanId = ids.new_span_id();
             Head::Skip {
@@ -126,6 +128,15 @@ fn sampled(trace: TraceId, ratio: f64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The caller's sampled flag, when `value` is a valid `traceparent`.
+    fn caller_sampled(value: &str) -> Option<bool> {
+        traceparent(value).map(|(_, _, flags)| flags & 1 == 1)
+    }
+
+    fn caller(value: &str) -> Option<Parent> {
+        Parent::from_headers(&[("traceparent", value)])
+    }
 
     const SAMPLED: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     const UNSAMPLED: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
@@ -160,9 +171,14 @@ mod tests {
             assert_eq!(caller_sampled(later), Some(true), "{later:?}");
         }
         let ids = RandomIdGenerator::default();
-        assert_eq!(decide(Some(true), 0.0, &ids), Head::Trace);
         assert_eq!(
-            decide(Some(false), 1.0, &ids),
+            decide(caller(SAMPLED), 0.0, &ids),
+            Head::Trace {
+                parent: caller(SAMPLED)
+            }
+        );
+        assert_eq!(
+            decide(caller(UNSAMPLED), 1.0, &ids),
             Head::Skip { traceparent: None }
         );
     }
@@ -170,7 +186,7 @@ mod tests {
     #[test]
     fn without_context_the_ratio_decides_and_a_skip_carries_an_unsampled_parent() {
         let ids = RandomIdGenerator::default();
-        assert_eq!(decide(None, 1.0, &ids), Head::Trace);
+        assert_eq!(decide(None, 1.0, &ids), Head::Trace { parent: None });
         let Head::Skip {
             traceparent: Some(tp),
         } = decide(None, 0.0, &ids)
@@ -180,7 +196,7 @@ mod tests {
         assert_eq!(caller_sampled(&tp), Some(false), "{tp}");
         let n = 20_000;
         let traced = (0..n)
-            .filter(|_| decide(None, 0.1, &ids) == Head::Trace)
+            .filter(|_| decide(None, 0.1, &ids) == Head::Trace { parent: None })
             .count();
         // 10% of 20,000 draws: 2,000 ± 5 standard deviations (212).
         assert!((1_788..=2_212).contains(&traced), "{traced} of {n}");

@@ -35,7 +35,7 @@ mod stages;
 pub use args::{ArgsError, TracingArgs};
 pub use head::{Head, head};
 pub use opentelemetry::KeyValue;
-pub use propagate::{set_parent, trace_headers};
+pub use propagate::{Parent, set_parent, trace_headers};
 pub use request::RequestSpan;
 pub use setup::{InitError, Telemetry, dispatch, init};
 pub use stages::{StageId, StageLog};

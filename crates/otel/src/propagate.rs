@@ -14,30 +14,47 @@ fn header<'a, I: AsRef<str>>(headers: &'a [(I, I)], name: &str) -> Option<&'a st
         .map(|(_, v)| v.as_ref())
 }
 
-/// The caller's context from a valid `traceparent` (the same rule as the sampling decision,
-/// [`crate::head`]) and its `tracestate`, if any. Of the flags only "sampled" is kept, as W3C
-/// Trace Context asks; an invalid `tracestate` is dropped.
-pub(crate) fn caller<I: AsRef<str>>(headers: &[(I, I)]) -> Option<SpanContext> {
-    let (trace, span, flags) = crate::head::traceparent(header(headers, "traceparent")?)?;
-    let state = header(headers, "tracestate")
-        .and_then(|v| TraceState::from_str(v).ok())
-        .unwrap_or_default();
-    let flags = TraceFlags::new(flags) & TraceFlags::SAMPLED;
-    Some(SpanContext::new(trace, span, flags, true, state))
+/// A caller's trace context, read from a request's `traceparent` and `tracestate`: what
+/// [`crate::head`] hands a request it traces, for [`set_parent`] and
+/// [`crate::RequestSpan::start`], so the headers are read once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parent(SpanContext);
+
+impl Parent {
+    /// The context in `headers` (names matched without case), when its `traceparent` is valid.
+    /// Of the flags only "sampled" is kept, as W3C Trace Context asks; an invalid `tracestate`
+    /// is dropped.
+    pub fn from_headers<I: AsRef<str>>(headers: &[(I, I)]) -> Option<Self> {
+        let (trace, span, flags) = crate::head::traceparent(header(headers, "traceparent")?)?;
+        let state = header(headers, "tracestate")
+            .and_then(|v| TraceState::from_str(v).ok())
+            .unwrap_or_default();
+        let flags = TraceFlags::new(flags) & TraceFlags::SAMPLED;
+        Some(Self(SpanContext::new(trace, span, flags, true, state)))
+    }
+
+    /// Whether the caller sampled the trace.
+    pub fn is_sampled(&self) -> bool {
+        self.0.is_sampled()
+    }
+
+    /// A context holding the caller's span, or an empty one (a new trace, even under another
+    /// traced span) without a caller.
+    pub(crate) fn context(parent: Option<&Self>) -> Context {
+        match parent {
+            Some(p) => Context::new().with_remote_span_context(p.0.clone()),
+            None => Context::new(),
+        }
+    }
 }
 
-/// Makes `span` a child of the trace context the request carries, if any. Call it before the
-/// span is first entered. A malformed `traceparent` is ignored (the span starts a new trace), as
-/// the W3C specification asks; a disabled span (tracing off) is left alone.
-pub fn set_parent<I: AsRef<str>>(span: &tracing::Span, headers: &[(I, I)]) {
+/// Makes `span` a child of the caller's context, or the root of a new trace without one. Call
+/// it before the span is first entered; a disabled span (tracing off) is left alone.
+pub fn set_parent(span: &tracing::Span, parent: Option<&Parent>) {
     if span.is_disabled() {
         return;
     }
-    // An empty context makes the span a root even under another traced span.
-    let parent = match caller(headers) {
-        Some(caller) => Context::new().with_remote_span_context(caller),
-        None => Context::new(),
-    };
+    let parent = Parent::context(parent);
     // Only fails when tracing is off (no OpenTelemetry layer) or the span has started: either
     // way the span keeps the parent it has.
     let _ = span.set_parent(parent);
@@ -84,18 +101,23 @@ mod tests {
 
     const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
-    #[test]
-    fn a_span_continues_the_callers_trace_and_names_itself_downstream() {
+    /// Runs `f` under a subscriber whose `tracing` spans are OpenTelemetry spans.
+    fn exporting(f: impl FnOnce()) {
         let provider = SdkTracerProvider::builder().build();
         let subscriber = tracing_subscriber::registry()
             .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
-        tracing::subscriber::with_default(subscriber, || {
+        tracing::subscriber::with_default(subscriber, f);
+    }
+
+    #[test]
+    fn a_span_continues_the_callers_trace_and_names_itself_downstream() {
+        exporting(|| {
             let span = tracing::info_span!(target: crate::TARGET, "hop");
             let headers = [
                 ("Traceparent".to_owned(), PARENT.to_owned()),
                 ("tracestate".to_owned(), "vendor=1".to_owned()),
             ];
-            set_parent(&span, &headers);
+            set_parent(&span, Parent::from_headers(&headers).as_ref());
             let out = trace_headers(&span);
             let parent = &out.iter().find(|(k, _)| *k == "traceparent").unwrap().1;
             let parts: Vec<&str> = parent.split('-').collect();
@@ -106,14 +128,17 @@ mod tests {
 
             // A malformed header starts a new trace.
             let fresh = tracing::info_span!(target: crate::TARGET, "hop");
-            set_parent(&fresh, &[("traceparent", "00-zz-00f067aa0ba902b7-01")]);
+            set_parent(
+                &fresh,
+                Parent::from_headers(&[("traceparent", "00-zz-00f067aa0ba902b7-01")]).as_ref(),
+            );
             let out = trace_headers(&fresh);
             assert!(!out[0].1.contains("4bf92f3577b34da6a3ce929d0e0e4736"));
 
             // So does a request without one, even inside another traced span.
             span.in_scope(|| {
                 let inner = tracing::info_span!(target: crate::TARGET, "hop");
-                set_parent(&inner, &[("x-other", "1")]);
+                set_parent(&inner, Parent::from_headers(&[("x-other", "1")]).as_ref());
                 let out = trace_headers(&inner);
                 assert!(
                     !out[0].1.contains("4bf92f3577b34da6a3ce929d0e0e4736"),
@@ -125,16 +150,11 @@ mod tests {
 
     #[test]
     fn only_the_sampled_flag_goes_on_and_no_empty_tracestate() {
-        let provider = SdkTracerProvider::builder().build();
-        let subscriber = tracing_subscriber::registry()
-            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
-        tracing::subscriber::with_default(subscriber, || {
+        exporting(|| {
             let span = tracing::info_span!(target: crate::TARGET, "hop");
             let caller = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-03";
-            set_parent(
-                &span,
-                &[("traceparent", caller), ("tracestate", "not valid=")],
-            );
+            let headers = [("traceparent", caller), ("tracestate", "not valid=")];
+            set_parent(&span, Parent::from_headers(&headers).as_ref());
             let out = trace_headers(&span);
             assert_eq!(out.len(), 1, "an invalid tracestate is dropped: {out:?}");
             let (name, value) = &out[0];
@@ -154,7 +174,10 @@ mod tests {
     #[test]
     fn nothing_is_written_when_tracing_is_off() {
         let span = tracing::Span::none();
-        set_parent(&span, &[("traceparent", PARENT)]);
+        set_parent(
+            &span,
+            Parent::from_headers(&[("traceparent", PARENT)]).as_ref(),
+        );
         assert!(trace_headers(&span).is_empty());
     }
 }

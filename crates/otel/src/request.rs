@@ -16,6 +16,7 @@ use opentelemetry::trace::{SpanBuilder, SpanKind, TraceContextExt as _, Tracer a
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::trace::SdkTracer;
 
+use crate::Parent;
 use crate::setup::TracerLayer;
 
 /// A request's span, shared by clones; recording nothing when tracing is off or the request is
@@ -38,16 +39,12 @@ impl RequestSpan {
         Self { inner: None }
     }
 
-    /// Starts a server span named `name` with `attributes`, under the caller's W3C trace
-    /// context in `headers` (lower-case names; a malformed `traceparent` starts a new trace),
-    /// with the tracer of the current dispatcher's exporter. Without an exporter (tracing off,
-    /// or a subscriber [`crate::dispatch`] did not build) it records nothing. Call it only for a
-    /// request [`crate::head`] says to trace.
-    pub fn start<I: AsRef<str>>(
-        name: &'static str,
-        headers: &[(I, I)],
-        attributes: Vec<KeyValue>,
-    ) -> Self {
+    /// Starts a server span named `name` with `attributes`, under `parent` (the caller's
+    /// context that [`crate::head`] read; none starts a new trace), with the tracer of the
+    /// current dispatcher's exporter. Without an exporter (tracing off, or a subscriber
+    /// [`crate::dispatch`] did not build) it records nothing. Call it only for a request
+    /// [`crate::head`] says to trace.
+    pub fn start(name: &'static str, parent: Option<&Parent>, attributes: Vec<KeyValue>) -> Self {
         let tracer = tracing::dispatcher::get_default(|dispatch| {
             dispatch
                 .downcast_ref::<TracerLayer>()
@@ -56,10 +53,7 @@ impl RequestSpan {
         let Some(tracer) = tracer else {
             return Self::none();
         };
-        let parent = match crate::propagate::caller(headers) {
-            Some(caller) => Context::new().with_remote_span_context(caller),
-            None => Context::new(),
-        };
+        let parent = Parent::context(parent);
         let span = tracer.build_with_context(
             SpanBuilder::from_name(name)
                 .with_kind(SpanKind::Server)
@@ -123,7 +117,8 @@ mod tests {
         let (exporter, provider, dispatch) = exporting();
         let headers = [("traceparent", CALLER), ("tracestate", "vendor=1")];
         let span = tracing::dispatcher::with_default(&dispatch, || {
-            RequestSpan::start("req", &headers, vec![KeyValue::new("a", 1)])
+            let parent = Parent::from_headers(&headers);
+            RequestSpan::start("req", parent.as_ref(), vec![KeyValue::new("a", 1)])
         });
         assert!(span.is_recording());
         let out = span.trace_headers();
@@ -171,7 +166,8 @@ mod tests {
     fn without_context_a_new_trace_and_without_an_exporter_nothing() {
         let (exporter, provider, dispatch) = exporting();
         let span = tracing::dispatcher::with_default(&dispatch, || {
-            RequestSpan::start("req", &[("traceparent", "00-zz-00-01")], Vec::new())
+            let malformed = Parent::from_headers(&[("traceparent", "00-zz-00-01")]);
+            RequestSpan::start("req", malformed.as_ref(), Vec::new())
         });
         let out = span.trace_headers();
         assert_eq!(out.len(), 1, "no tracestate: {out:?}");
@@ -183,7 +179,11 @@ mod tests {
 
         let plain = tracing::Dispatch::new(tracing_subscriber::registry());
         let off = tracing::dispatcher::with_default(&plain, || {
-            RequestSpan::start("req", &[("traceparent", CALLER)], Vec::new())
+            RequestSpan::start(
+                "req",
+                Parent::from_headers(&[("traceparent", CALLER)]).as_ref(),
+                Vec::new(),
+            )
         });
         assert!(!off.is_recording());
         assert!(off.trace_headers().is_empty());

@@ -267,7 +267,7 @@ pub(crate) mod tests {
 
     fn request(dispatch: &tracing::Dispatch) -> RequestSpan {
         tracing::dispatcher::with_default(dispatch, || {
-            RequestSpan::start::<&str>("request", &[], Vec::new())
+            RequestSpan::start("request", None, Vec::new())
         })
     }
 

@@ -39,7 +39,10 @@ fn spans_reach_the_collector_in_the_callers_trace() {
 
     let downstream = {
         let root = tracing::info_span!(target: otel::TARGET, "request", answer = 42);
-        otel::set_parent(&root, &[("traceparent", CALLER)]);
+        otel::set_parent(
+            &root,
+            otel::Parent::from_headers(&[("traceparent", CALLER)]).as_ref(),
+        );
         let _in = root.enter();
         let _noise = tracing::info_span!("not_traced").entered();
         let child = tracing::info_span!(target: otel::TARGET, "step");

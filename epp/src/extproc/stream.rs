@@ -211,18 +211,18 @@ fn outcome(event: &ResponseEvent) -> &'static str {
 }
 
 /// The span a request's trace is made of in the EPP (`epp.request`): a child of the caller's
-/// W3C trace context when `headers` (lower-case names) carry one. The router's stages (parse,
+/// W3C trace context when the request carried one (`parent`, from [`otel::head`]). The router's stages (parse,
 /// tokenize, pick, first token, decode) hang under it; it ends with the response. Records
 /// nothing when tracing is off. Create it only for a request [`otel::head`] says to trace.
 pub fn request_span(
     method: &str,
     path: &str,
     request_id: &str,
-    headers: &[(String, String)],
+    parent: Option<&otel::Parent>,
 ) -> otel::RequestSpan {
     otel::RequestSpan::start(
         "epp.request",
-        headers,
+        parent,
         vec![
             KeyValue::new("request_id", request_id.to_owned()),
             KeyValue::new("http.request.method", method.to_owned()),
@@ -549,8 +549,9 @@ impl ExtProcStream {
         let head = RequestHead::parse(&h.headers);
         tracing::Span::current().record("request_id", head.request_id.as_str());
         match otel::head(&head.headers) {
-            otel::Head::Trace => {
-                self.span = request_span(&head.method, &head.path, &head.request_id, &head.headers);
+            otel::Head::Trace { parent } => {
+                self.span =
+                    request_span(&head.method, &head.path, &head.request_id, parent.as_ref());
             }
             otel::Head::Skip { traceparent } => self.unsampled_parent = traceparent,
         }

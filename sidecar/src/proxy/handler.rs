@@ -151,15 +151,15 @@ fn request_span(req: &mut Request<Body>, request_id: &str) -> tracing::Span {
             Some((name, value))
         })
         .collect();
-    match otel::head(&incoming) {
-        otel::Head::Trace => {}
+    let parent = match otel::head(&incoming) {
+        otel::Head::Trace { parent } => parent,
         otel::Head::Skip { traceparent } => {
             if let Some(v) = traceparent.and_then(|tp| HeaderValue::from_str(&tp).ok()) {
                 req.headers_mut().insert("traceparent", v);
             }
             return tracing::Span::none();
         }
-    }
+    };
     let span = tracing::info_span!(
         target: otel::TARGET,
         "sidecar.proxy",
@@ -172,7 +172,7 @@ fn request_span(req: &mut Request<Body>, request_id: &str) -> tracing::Span {
     if span.is_disabled() {
         return span;
     }
-    otel::set_parent(&span, &incoming);
+    otel::set_parent(&span, parent.as_ref());
     let headers = req.headers_mut();
     headers.remove("tracestate");
     for (name, value) in otel::trace_headers(&span) {
