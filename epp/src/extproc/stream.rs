@@ -211,9 +211,10 @@ fn outcome(event: &ResponseEvent) -> &'static str {
 }
 
 /// The span a request's trace is made of in the EPP (`epp.request`): a child of the caller's
-/// W3C trace context when the request carried one (`parent`, from [`otel::head`]). The router's stages (parse,
-/// tokenize, pick, first token, decode) hang under it; it ends with the response. Records
-/// nothing when tracing is off. Create it only for a request [`otel::head`] says to trace.
+/// W3C trace context when the request carried one (`parent`, from [`otel::head`]). The
+/// router's stages (parse, tokenize, pick, first token, decode) hang under it; it ends with the
+/// response. Records nothing when tracing is off. Create it only for a request [`otel::head`]
+/// says to trace.
 pub fn request_span(
     method: &str,
     path: &str,

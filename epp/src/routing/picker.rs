@@ -430,7 +430,7 @@ impl Router for Picker {
             timed: stages.is_active(),
         };
         let scheduling = Instant::now();
-        let pick = stages.open("pick", None);
+        let pick = stages.open_at("pick", None, scheduling);
         let scheduled =
             self.scheduler
                 .route(&req, &endpoints, &self.index, &self.inflight, &self.loads);
