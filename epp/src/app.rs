@@ -300,7 +300,7 @@ fn handoff_table(args: &Args, replica: u64) -> (Option<Arc<Handoffs>>, Option<Re
 /// The NATS configuration, when `--nats-url` is set.
 fn nats_config(args: &Args, replica: u64) -> Option<NatsConfig> {
     let url = args.nats()?;
-    let sync = crate::ingest::nats::sync::SyncConfig {
+    let sync = kv_sync::SyncConfig {
         snapshot_timeout: kv_index::Millis(args.snapshot_timeout_ms),
         ..Default::default()
     };

@@ -21,13 +21,13 @@ use kv_events::load::LoadSample;
 use kv_events::snapshot::{Snapshot, SnapshotRequest, TierKeys};
 use kv_events::{BlockKey, Envelope, KvEvent, Source, Tier, subject};
 use kv_index::{EndpointId, IndexConfig, KvIndex, Millis};
+use kv_sync::SyncConfig;
 use kvgate_epp::discovery::Datastore;
 use kvgate_epp::discovery::apply::NodeIds;
 use kvgate_epp::extproc::{
     ExtProcStream, Handoffs, REPLICA_HEADER, Relay, ResponseEvent, StreamConfig,
 };
 use kvgate_epp::extproc::{Router as _, RoutingInput};
-use kvgate_epp::ingest::nats::sync::SyncConfig;
 use kvgate_epp::ingest::nats::{
     NatsConfig, NatsIngest, RelayConfig, Shared, SharingConfig, relay_queue,
 };

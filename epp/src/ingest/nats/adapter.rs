@@ -16,6 +16,7 @@ use kv_events::load::LoadSample;
 use kv_events::snapshot::{SnapshotAssembler, SnapshotChunk};
 use kv_events::{Envelope, subject};
 use kv_index::{Holder, KvIndex, Millis};
+use kv_sync::SyncConfig;
 use scheduler::{InflightTracker, LoadBook};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -26,7 +27,6 @@ use super::relay::{RelayConfig, run_relay};
 use super::resolve::Resolver;
 use super::sharing::{SharingConfig, run_sharing};
 use super::stats::{NatsStats, add, set};
-use super::sync::SyncConfig;
 use crate::discovery::Datastore;
 use crate::discovery::apply::NodeIds;
 

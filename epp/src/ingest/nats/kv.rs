@@ -11,11 +11,11 @@ use kv_events::load::LoadSample;
 use kv_events::snapshot::{Snapshot, SnapshotRequest};
 use kv_events::{Envelope, Source, subject};
 use kv_index::{Holder, KvIndex, Millis};
+use kv_sync::{Effect, SourceSync, SyncConfig};
 use scheduler::{EngineLoad, LoadBook};
 
 use super::resolve::Resolver;
 use super::stats::{NatsStats, add, set};
-use super::sync::{Effect, SourceSync, SyncConfig};
 
 /// Unknown sources remembered (to ask for their snapshot once discovery knows them).
 const MAX_PENDING_UNKNOWN: usize = 1024;

@@ -2,9 +2,10 @@
 //! sequencing and snapshot resynchronisation, engine load samples, in-flight sharing between
 //! active-active EPP replicas, and the relay of response events between them.
 //!
-//! Pure parts: [`sync`] (one source's state machine), [`kv`] (all sources against the index),
-//! [`inflight_wire`] and [`peer_book`] (sharing), [`relay_wire`] (the relay). I/O: [`adapter`]
-//! (connection, subscriptions, snapshot request/reply), [`sharing`] and [`relay`] (their loops).
+//! Pure parts: [`kv`] (all sources against the index, one [`kv_sync::SourceSync`] state
+//! machine per source), [`inflight_wire`] and [`peer_book`] (sharing), [`relay_wire`] (the
+//! relay). I/O: [`adapter`] (connection, subscriptions, snapshot request/reply), [`sharing`] and
+//! [`relay`] (their loops).
 
 pub mod adapter;
 pub mod inflight_wire;
@@ -15,7 +16,6 @@ pub mod relay_wire;
 pub mod resolve;
 pub mod sharing;
 pub mod stats;
-pub mod sync;
 
 pub use adapter::{Clock, NatsConfig, NatsError, NatsIngest, Shared};
 pub use relay::{ChannelSink, RelayConfig, relay_queue};

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::sync::Failure;
+use kv_sync::Failure;
 
 /// Everything the NATS side counts.
 #[derive(Debug, Default)]

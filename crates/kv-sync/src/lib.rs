@@ -1,4 +1,8 @@
-//! One NATS source's synchronisation, as a pure state machine (no I/O, no clock of its own).
+//! One KV-event source's synchronisation, as a pure state machine (no I/O, no clock of its own).
+//!
+//! Shared by the consumers of kvgate envelopes: the EPP runs one [`SourceSync`] per sidecar rank
+//! or node block manager it follows over NATS; the caller owns the subscriptions, the snapshot
+//! requests and the clock, and performs the [`Effect`]s it is handed.
 //!
 //! A source (one pod's data-parallel rank, or one node) publishes envelopes stamped with a
 //! random `epoch` and a `seq` contiguous from 0 within it. The index holds, for that source, the
@@ -318,5 +322,4 @@ impl SourceSync {
 }
 
 #[cfg(test)]
-#[path = "sync_tests.rs"]
 mod tests;
