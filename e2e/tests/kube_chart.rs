@@ -170,6 +170,28 @@ fn every_value_set_lints_and_renders_secure_workloads() {
             && !observer_port(&defaults, "Service", "kvgate-epp"),
         "one filter by default"
     );
+    // Pulls between block managers: the pod IP advertised, the secret mounted, the port open
+    // to the release's block managers only; none of it by default.
+    let kvbm = |r: &Rendered| r.get("DaemonSet", "kvgate-kvbm").map(|d| d.to_string());
+    let peers = kvbm(&everything).unwrap();
+    for needle in [
+        "--peer-listen=0.0.0.0:9094",
+        "--peer-advertise=$(POD_IP):9094",
+        "--peer-secret-file=/etc/kvgate/peer/secret",
+        "--peer-timeout-ms=3000",
+        "status.podIP",
+        "kvbm-peers",
+    ] {
+        assert!(peers.contains(needle), "the kvbm DaemonSet has {needle}");
+    }
+    assert!(
+        everything
+            .get("NetworkPolicy", "kvgate-kvbm")
+            .unwrap()
+            .to_string()
+            .contains("9094")
+    );
+    assert!(kvbm(&defaults).is_none_or(|d| !d.contains("peer")));
     let tls_off = render(&h, "tls-off");
     let args = &tls_off.get("Deployment", "kvgate-epp").unwrap()["spec"]["template"]["spec"]["containers"]
         [0]["args"];
@@ -200,6 +222,10 @@ fn bad_values_fail_with_a_message_naming_them() {
         ),
         ("nats: {mode: external, url: \"http://x\"}", "/nats/url"),
         ("kvbm: {remote: {url: \"ftp://x\"}}", "/kvbm/remote/url"),
+        (
+            "kvbm: {enabled: true, peers: {enabled: true}}",
+            "kvbm.peers.enabled needs kvbm.peers.existingSecret",
+        ),
         ("model: {name: \"\"}", "model.name is required"),
         (
             "inferencePool: {selector: null}",

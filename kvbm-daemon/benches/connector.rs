@@ -12,10 +12,15 @@
 //! - **disk**: the same with a disk tier instead of Redis (in the system temp directory),
 //!   against the disk module itself in one process (`DiskDir::write`/`read` of the same
 //!   blocks, the same `O_DIRECT` probe): the time until the daemon's disk queue has drained
-//!   against the module's writes, and onboards from disk against its reads.
+//!   against the module's writes, and onboards from disk against its reads;
+//! - **peer**: two daemons on one `nats-server`, pulls on: the blocks offloaded to one are
+//!   onboarded through the other, which pulls them over loopback TCP, against the same bytes
+//!   sent over one loopback TCP connection by this process (no protocol) and against the
+//!   holder's own host onboard.
 //!
 //! `cargo bench -p kvgate-kvbm --bench connector`; `KVGATE_BENCH_BLOCKS` (default 256) blocks of
-//! `KVGATE_BENCH_BLOCK_MIB` (default 2: Llama-3.1-8B BF16, 16 tokens) in requests of 16.
+//! `KVGATE_BENCH_BLOCK_MIB` (default 2: Llama-3.1-8B BF16, 16 tokens) in requests of 16;
+//! `KVGATE_BENCH_ONLY` (`host`, `remote`, `disk` or `peer`) runs one part (and the baseline).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -78,11 +83,18 @@ fn disk_args(dir: &Path) -> Vec<String> {
 
 /// `kvgate-kvbm` with `host_bytes` of host memory, and the tiers `extra` names.
 fn daemon(dir: &Path, host_bytes: u64, extra: &[String]) -> Daemon {
+    // Nobody listens there: the daemon serves connectors while it retries NATS.
+    let nats = format!("nats://127.0.0.1:{}", free_port());
+    daemon_on(dir, host_bytes, extra, "bench", &nats)
+}
+
+/// The same, as node `node` on the NATS server at `nats`.
+fn daemon_on(dir: &Path, host_bytes: u64, extra: &[String], node: &str, nats: &str) -> Daemon {
     let socket = dir.join(format!("kvbm-{host_bytes}-{}.sock", free_port()));
     let metrics_port = free_port();
     let mut args = vec![
         "--node".to_owned(),
-        "bench".into(),
+        node.into(),
         "--model".into(),
         "bench".into(),
         "--block-size".into(),
@@ -93,9 +105,8 @@ fn daemon(dir: &Path, host_bytes: u64, extra: &[String]) -> Daemon {
         "127.0.0.1".into(),
         "--metrics-port".into(),
         metrics_port.to_string(),
-        // Nobody listens there: the daemon serves connectors while it retries NATS.
         "--nats-url".into(),
-        format!("nats://127.0.0.1:{}", free_port()),
+        nats.into(),
         "--host-bytes".into(),
         host_bytes.to_string(),
     ];
@@ -164,10 +175,8 @@ struct Trip {
     from: Onboarded,
 }
 
-/// Offloads `blocks` blocks in requests of [`PER_REQUEST`], waits for the daemon's write
-/// queues to drain, then onboards them back in requests of the same size.
-async fn round_trip(d: &Daemon, block: u64, blocks: u64) -> Trip {
-    let layout = Layout {
+fn layout(block: u64) -> Layout {
+    Layout {
         model: "bench".into(),
         dtype: "bf16".into(),
         layers: 32,
@@ -175,8 +184,20 @@ async fn round_trip(d: &Daemon, block: u64, blocks: u64) -> Trip {
         block_bytes: block,
         shard: 0,
         shards: 1,
-    };
-    let mut c = Client::connect(&d.socket, layout, PER_REQUEST * block)
+    }
+}
+
+/// Offloads `blocks` blocks in requests of [`PER_REQUEST`], waits for the daemon's write
+/// queues to drain, then onboards them back in requests of the same size.
+async fn round_trip(d: &Daemon, block: u64, blocks: u64) -> Trip {
+    round_trip_via(d, d, block, blocks).await
+}
+
+/// The same, offloading to `holder` and onboarding through `asker` (another node's daemon:
+/// it pulls from `holder` once it sees every block there).
+async fn round_trip_via(holder: &Daemon, asker: &Daemon, block: u64, blocks: u64) -> Trip {
+    let d = holder;
+    let mut c = Client::connect(&d.socket, layout(block), PER_REQUEST * block)
         .await
         .unwrap();
     for i in 0..PER_REQUEST {
@@ -194,8 +215,8 @@ async fn round_trip(d: &Daemon, block: u64, blocks: u64) -> Trip {
     };
     let t = Instant::now();
     for r in 0..blocks / PER_REQUEST {
-        let (stored, _, _) = c.offload(None, slots(r * PER_REQUEST)).await.unwrap();
-        assert_eq!(u64::from(stored), PER_REQUEST);
+        let (stored, present, _) = c.offload(None, slots(r * PER_REQUEST)).await.unwrap();
+        assert_eq!(u64::from(stored + present), PER_REQUEST);
     }
     let offload = t.elapsed();
     // Read back only what the tiers hold, not what is still queued in memory.
@@ -203,6 +224,25 @@ async fn round_trip(d: &Daemon, block: u64, blocks: u64) -> Trip {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let drained = t.elapsed();
+    let mut c = if std::ptr::eq(holder, asker) {
+        c
+    } else {
+        let mut other = Client::connect(&asker.socket, layout(block), PER_REQUEST * block)
+            .await
+            .unwrap();
+        let n = blocks / PER_REQUEST * PER_REQUEST;
+        let (first, last): (Vec<u64>, Vec<u64>) =
+            ((0..PER_REQUEST).collect(), (n - PER_REQUEST..n).collect());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        // Each request's run is a chain of its own (offloaded without a parent).
+        while other.lookup(first.clone()).await.unwrap().1 < PER_REQUEST as u32
+            || other.lookup(last.clone()).await.unwrap().1 < PER_REQUEST as u32
+        {
+            assert!(Instant::now() < deadline, "the peer never saw the blocks");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        other
+    };
     let t = Instant::now();
     let mut from = Onboarded::default();
     for r in 0..blocks / PER_REQUEST {
@@ -212,6 +252,7 @@ async fn round_trip(d: &Daemon, block: u64, blocks: u64) -> Trip {
         from.host += got.host;
         from.disk += got.disk;
         from.remote += got.remote;
+        from.peer += got.peer;
     }
     let onboard = t.elapsed();
     let bytes = blocks / PER_REQUEST * PER_REQUEST * block;
@@ -255,6 +296,35 @@ fn disk_baseline(dir: &Path, block: u64, blocks: u64) -> (f64, f64, f64, bool) {
         }
     });
     (write, read, rate(n * block, t.elapsed()), disk.direct())
+}
+
+/// `bytes` sent over one loopback TCP connection in writes of `chunk`, read back by a second
+/// thread into one kept buffer per chunk: GB/s.
+fn tcp_baseline(bytes: u64, chunk: u64) -> f64 {
+    use std::io::{Read as _, Write as _};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let chunk = usize::try_from(chunk).unwrap();
+    let chunks = usize::try_from(bytes).unwrap() / chunk;
+    let reader = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut kept = Vec::with_capacity(chunks);
+        for _ in 0..chunks {
+            let mut buf = vec![0u8; chunk];
+            s.read_exact(&mut buf).unwrap();
+            kept.push(buf);
+        }
+        kept.len()
+    });
+    let data = vec![7u8; chunk];
+    let t = Instant::now();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_nodelay(true).unwrap();
+    for _ in 0..chunks {
+        s.write_all(&data).unwrap();
+    }
+    assert_eq!(reader.join().unwrap(), chunks);
+    rate((chunks * chunk) as u64, t.elapsed())
 }
 
 /// The same volume moved by one process with no protocol: `pread` of every block into a fresh
@@ -314,7 +384,27 @@ fn main() {
         "baseline  pread into kept buffers {read:6.2} GB/s   pwrite from them {write:6.2} GB/s (one process)"
     );
 
-    let host = daemon(&dir, (blocks + PER_REQUEST) * block, &[]);
+    let only = std::env::var("KVGATE_BENCH_ONLY").ok();
+    let run = |part: &str| only.as_deref().is_none_or(|o| o == part);
+    if run("host") {
+        host_part(&runtime, &dir, block, blocks, read, write);
+    }
+    if run("remote") {
+        remote_part(&runtime, &dir, block, blocks, read, write);
+    }
+    if run("disk") {
+        disk_part(&runtime, &dir, block, blocks);
+    }
+    if run("peer") {
+        peer_part(&runtime, &dir, block, blocks);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+type Runtime = tokio::runtime::Runtime;
+
+fn host_part(runtime: &Runtime, dir: &Path, block: u64, blocks: u64, read: f64, write: f64) {
+    let host = daemon(dir, (blocks + PER_REQUEST) * block, &[]);
     let trip = runtime.block_on(round_trip(&host, block, blocks));
     assert_eq!(trip.from.host, trip.from.blocks);
     println!(
@@ -325,11 +415,13 @@ fn main() {
         trip.onboard / write
     );
     drop(host);
+}
 
+fn remote_part(runtime: &Runtime, dir: &Path, block: u64, blocks: u64, read: f64, write: f64) {
     let redis_port = free_port();
     let _redis = redis_server(redis_port, None);
     let plain_url = format!("redis://127.0.0.1:{redis_port}");
-    let remote = daemon(&dir, 4 * block, &remote_args(&plain_url, None));
+    let remote = daemon(dir, 4 * block, &remote_args(&plain_url, None));
     let trip = runtime.block_on(round_trip(&remote, block, blocks));
     println!(
         "remote    offload {:6.2} GB/s ({:.2}× pread)      onboard {:6.2} GB/s ({:.2}× pwrite), {} of {blocks} blocks from Redis",
@@ -343,11 +435,11 @@ fn main() {
     let plain = trip;
 
     // The same through TLS (rediss://, a CA made here, Redis's TLS port).
-    let (ca, cert, key) = tls_material(&dir);
+    let (ca, cert, key) = tls_material(dir);
     let tls_port = free_port();
     let _redis_tls = support::redis_tls_server(tls_port, &cert, &key);
     let tls_url = format!("rediss://localhost:{tls_port}");
-    let remote = daemon(&dir, 4 * block, &remote_args(&tls_url, Some(&ca)));
+    let remote = daemon(dir, 4 * block, &remote_args(&tls_url, Some(&ca)));
     let trip = runtime.block_on(round_trip(&remote, block, blocks));
     println!(
         "remote TLS offload {:6.2} GB/s ({:.2}× plain)      onboard {:6.2} GB/s ({:.2}× plain), {} of {blocks} blocks from Redis",
@@ -358,7 +450,9 @@ fn main() {
         trip.from.remote
     );
     drop(remote);
+}
 
+fn disk_part(runtime: &Runtime, dir: &Path, block: u64, blocks: u64) {
     let (disk_write, disk_read, disk_par, direct) =
         disk_baseline(&dir.join("disk-baseline"), block, blocks);
     let _ = std::fs::remove_dir_all(dir.join("disk-baseline"));
@@ -366,7 +460,7 @@ fn main() {
         "disk baseline ({}) write {disk_write:6.2} GB/s   read {disk_read:6.2} GB/s, 16 threads {disk_par:6.2} GB/s (the disk module in one process)",
         if direct { "O_DIRECT" } else { "page cache" }
     );
-    let disk = daemon(&dir, 4 * block, &disk_args(&dir.join("disk")));
+    let disk = daemon(dir, 4 * block, &disk_args(&dir.join("disk")));
     let trip = runtime.block_on(round_trip(&disk, block, blocks));
     println!(
         "disk      offload {:6.2} GB/s, drained {:6.2} GB/s ({:.2}× write)   onboard {:6.2} GB/s ({:.2}× read, {:.2}× 16 threads), {} of {blocks} blocks from disk",
@@ -379,5 +473,45 @@ fn main() {
         trip.from.disk
     );
     drop(disk);
-    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Pulls from a peer: node b onboards what node a holds.
+fn peer_part(runtime: &Runtime, dir: &Path, block: u64, blocks: u64) {
+    let nats_port = free_port();
+    let _nats = support::nats_server(nats_port);
+    let nats = format!("nats://127.0.0.1:{nats_port}");
+    let secret = dir.join("peer-secret");
+    std::fs::write(&secret, "a secret for the bench run").unwrap();
+    let peer = |node: &str| {
+        let extra = [
+            "--peer-listen".to_owned(),
+            format!("127.0.0.1:{}", free_port()),
+            "--peer-secret-file".into(),
+            secret.display().to_string(),
+        ];
+        daemon_on(dir, (blocks + PER_REQUEST) * block, &extra, node, &nats)
+    };
+    let (a, b) = (peer("node-a"), peer("node-b"));
+    let n = blocks / PER_REQUEST * PER_REQUEST;
+    let tcp = tcp_baseline(n * block, PER_REQUEST * block);
+    println!(
+        "tcp baseline one loopback connection, {} MiB writes {tcp:6.2} GB/s (one process, two threads)",
+        (PER_REQUEST * block) >> 20
+    );
+    let local = runtime.block_on(round_trip(&a, block, blocks));
+    let pulled = runtime.block_on(round_trip_via(&a, &b, block, blocks));
+    assert_eq!(
+        u64::from(pulled.from.peer),
+        n,
+        "every block pulled from the peer"
+    );
+    println!(
+        "peer      onboard through a peer {:6.2} GB/s ({:.2}× tcp, {:.2}× the holder's own host onboard at {:.2} GB/s), {} of {n} blocks pulled",
+        pulled.onboard,
+        pulled.onboard / tcp,
+        pulled.onboard / local.onboard,
+        local.onboard,
+        pulled.from.peer
+    );
+    drop((a, b));
 }

@@ -22,6 +22,12 @@ use crate::args::Args;
 use crate::disk::{DirectIo, DiskDir, DiskError};
 use crate::metrics::Metrics;
 use crate::outbox::{Identity, Outbox};
+use crate::peers::auth::{Secret, SecretError};
+use crate::peers::directory::{Announce, Directory, DirectoryConfig};
+use crate::peers::follow::FollowConfig;
+use crate::peers::pull::PullConfig;
+use crate::peers::serve::ServeConfig;
+use crate::peers::{self, Peers};
 use crate::remote::redis::{Redis, RedisConfig};
 use crate::remote::s3::{self, S3, S3Config, S3Options};
 use crate::remote::{Remote, RemoteError};
@@ -67,6 +73,18 @@ pub enum AppError {
     /// NATS could not be set up.
     #[error("NATS: {0}")]
     Nats(String),
+    /// The peer secret could not be read or was refused.
+    #[error(transparent)]
+    PeerSecret(#[from] SecretError),
+    /// The peer port could not be bound.
+    #[error("peer server on {addr}: {source}")]
+    PeerListen {
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl cli_support::ExitStatus for AppError {
@@ -76,7 +94,8 @@ impl cli_support::ExitStatus for AppError {
             | AppError::Remote(
                 RemoteError::Url(_) | RemoteError::Tls(_) | RemoteError::Credentials(_),
             )
-            | AppError::Disk(DiskError::Locked { .. }) => cli_support::EXIT_CONFIG,
+            | AppError::Disk(DiskError::Locked { .. })
+            | AppError::PeerSecret(_) => cli_support::EXIT_CONFIG,
             // A wrong bucket, region, key or permission, or a request the S3 SDK cannot build.
             AppError::Remote(e) if e.is_config_refusal() => cli_support::EXIT_CONFIG,
             _ => 1,
@@ -240,6 +259,18 @@ async fn serve(args: Args) -> Result<(), AppError> {
             .map_err(AppError::DiskWriter)?;
     }
 
+    let peer_secret = match &args.peer_secret_file {
+        Some(path) => Some(Arc::new(Secret::from_file(path)?)),
+        None => None,
+    };
+    let peer_listener = match args.peer_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| AppError::PeerListen { addr, source })?,
+        ),
+        None => None,
+    };
     let (listener, inode) = bind_socket(&args.socket)?;
     let addr = SocketAddr::new(args.metrics_bind, args.metrics_port);
     let http = tokio::net::TcpListener::bind(addr)
@@ -275,6 +306,19 @@ async fn serve(args: Args) -> Result<(), AppError> {
                 tracing::error!(error = %e, "snapshot responder stopped");
             }
         });
+    }
+    if let (Some(peer_listener), Some(secret), Some(advertise)) =
+        (peer_listener, peer_secret, args.peer_address())
+    {
+        start_peers(
+            &args,
+            peer_listener,
+            secret,
+            advertise,
+            &client,
+            &service,
+            stopped(stop_rx.clone()),
+        );
     }
     let router = Router::new()
         .route("/metrics", get(metrics_text))
@@ -316,6 +360,87 @@ async fn serve(args: Args) -> Result<(), AppError> {
     remove_own_socket(&args.socket, inode);
     tracing::info!("kvgate-kvbm stopped");
     Ok(())
+}
+
+/// Pulls from peers and serving theirs: the directory, its NATS edge and the pull server.
+fn start_peers(
+    args: &Args,
+    listener: tokio::net::TcpListener,
+    secret: Arc<Secret>,
+    advertise: SocketAddr,
+    client: &async_nats::Client,
+    service: &Arc<Service>,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let interval = Duration::from_secs(args.peer_announce_interval_s);
+    let config = DirectoryConfig {
+        ttl: kv_index::Millis(
+            u64::try_from(interval.as_millis())
+                .unwrap_or(u64::MAX)
+                .saturating_mul(3),
+        ),
+        ..DirectoryConfig::default()
+    };
+    let directory = match Directory::new(&args.node, &args.model, args.block_size, config) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::error!(error = %e, "peer directory not started");
+            return;
+        }
+    };
+    let timeout = Duration::from_millis(args.peer_timeout_ms);
+    let peers = Arc::new(Peers::new(
+        directory,
+        PullConfig {
+            node: args.node.clone(),
+            secret: Arc::clone(&secret),
+            timeout,
+        },
+    ));
+    service.attach_peers(Arc::clone(&peers));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    tokio::spawn(async move {
+        stop.await;
+        let _ = stop_tx.send(true);
+    });
+    let follow = peers::follow::follow(
+        client.clone(),
+        peers,
+        FollowConfig {
+            namespace: args.namespace.clone(),
+            me: Announce {
+                node: args.node.clone(),
+                model: args.model.clone(),
+                block_size: args.block_size,
+                addr: advertise,
+            },
+            interval,
+            snapshot_timeout: Duration::from_secs(2),
+        },
+        Arc::clone(service.metrics()),
+        stopped(stop_rx.clone()),
+    );
+    tokio::spawn(async move {
+        if let Err(e) = follow.await {
+            tracing::error!(error = %e, "peer follower stopped");
+        }
+    });
+    tracing::info!(listen = ?listener.local_addr().ok(), %advertise, "serving pulls to peers");
+    tokio::spawn(peers::serve::serve(
+        listener,
+        Arc::clone(service),
+        ServeConfig {
+            node: args.node.clone(),
+            secret,
+            max_connections: args.peer_max_connections,
+            io_timeout: timeout,
+            idle_timeout: Duration::from_secs(60),
+        },
+        stopped(stop_rx),
+    ));
 }
 
 async fn metrics_text(State(service): State<Arc<Service>>) -> String {

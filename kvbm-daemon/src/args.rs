@@ -137,6 +137,30 @@ pub struct Args {
     /// Publish pending events at least this often, milliseconds.
     #[arg(long, default_value_t = 20)]
     pub publish_interval_ms: u64,
+    /// Serve pulls to other nodes' block managers on this address, and pull from them: a block
+    /// this node misses that a peer (same model and block size, found on NATS) holds is
+    /// fetched over TCP instead of recomputed. Off when absent. Needs `--peer-secret-file`.
+    #[arg(long, env = "KVGATE_PEER_LISTEN")]
+    pub peer_listen: Option<std::net::SocketAddr>,
+    /// The address peers connect to (`ip:port`, e.g. the pod IP); defaults to
+    /// `--peer-listen` unless that is an unspecified address such as 0.0.0.0.
+    #[arg(long, env = "KVGATE_PEER_ADVERTISE")]
+    pub peer_advertise: Option<std::net::SocketAddr>,
+    /// A file holding the secret every node of the mesh shares (16 to 4096 bytes; surrounding
+    /// white space is ignored): both ends of a pull prove they hold it.
+    #[arg(long, env = "KVGATE_PEER_SECRET_FILE")]
+    pub peer_secret_file: Option<PathBuf>,
+    /// The longest a pull from a peer may take (connecting, authenticating, up to 64 MiB of
+    /// blocks), milliseconds; a pull past it fails and the engine computes the blocks.
+    #[arg(long, default_value_t = 5000)]
+    pub peer_timeout_ms: u64,
+    /// Peer connections served at once.
+    #[arg(long, default_value_t = 64)]
+    pub peer_max_connections: u64,
+    /// How often this node announces its pull address, seconds; peers forget a node not
+    /// heard from for three intervals.
+    #[arg(long, default_value_t = 10)]
+    pub peer_announce_interval_s: u64,
 }
 
 impl Args {
@@ -209,7 +233,45 @@ impl Args {
         if self.max_connections == 0 || self.max_keys_per_envelope == 0 {
             return Err("--max-connections and --max-keys-per-envelope must be positive".into());
         }
+        self.validate_peers()
+    }
+
+    fn validate_peers(&self) -> Result<(), String> {
+        let Some(listen) = self.peer_listen else {
+            if self.peer_advertise.is_some() || self.peer_secret_file.is_some() {
+                return Err("--peer-advertise and --peer-secret-file need --peer-listen".into());
+            }
+            return Ok(());
+        };
+        if self.peer_secret_file.is_none() {
+            return Err("--peer-listen needs --peer-secret-file (the mesh's shared secret)".into());
+        }
+        if self.peer_advertise.is_none() && listen.ip().is_unspecified() {
+            return Err(format!(
+                "--peer-listen {listen} is not an address peers can reach: give --peer-advertise (e.g. the pod IP and port)"
+            ));
+        }
+        if self
+            .peer_advertise
+            .is_some_and(|a| a.ip().is_unspecified() || a.port() == 0)
+        {
+            return Err("--peer-advertise must be a reachable ip:port".into());
+        }
+        if self.peer_timeout_ms == 0
+            || self.peer_max_connections == 0
+            || self.peer_announce_interval_s == 0
+        {
+            return Err(
+                "--peer-timeout-ms, --peer-max-connections and --peer-announce-interval-s must be positive"
+                    .into(),
+            );
+        }
         Ok(())
+    }
+
+    /// The address peers are told to pull from, when peers are on.
+    pub fn peer_address(&self) -> Option<std::net::SocketAddr> {
+        self.peer_advertise.or(self.peer_listen)
     }
 }
 
@@ -246,6 +308,24 @@ mod tests {
     }
 
     #[test]
+    fn peers_advertise_the_listen_address_unless_told_otherwise() {
+        let on = parse(&["--peer-listen", "10.0.0.1:9094", "--peer-secret-file", "/s"]);
+        assert_eq!(on.validate(), Ok(()));
+        assert_eq!(on.peer_address(), Some(([10, 0, 0, 1], 9094).into()));
+        let pod = parse(&[
+            "--peer-listen",
+            "0.0.0.0:9094",
+            "--peer-secret-file",
+            "/s",
+            "--peer-advertise",
+            "10.1.2.3:9094",
+        ]);
+        assert_eq!(pod.validate(), Ok(()));
+        assert_eq!(pod.peer_address(), Some(([10, 1, 2, 3], 9094).into()));
+        assert_eq!(parse(&[]).peer_address(), None);
+    }
+
+    #[test]
     fn bad_configurations_are_explained() {
         for (flags, needle) in [
             (vec!["--disk-queue", "0"], "positive"),
@@ -273,6 +353,34 @@ mod tests {
             ),
             (vec!["--host-bytes", "0"], "no tier"),
             (vec!["--publish-interval-ms", "0"], "positive"),
+            (vec!["--peer-listen", "10.0.0.1:9094"], "--peer-secret-file"),
+            (vec!["--peer-secret-file", "/s"], "need --peer-listen"),
+            (
+                vec!["--peer-listen", "0.0.0.0:9094", "--peer-secret-file", "/s"],
+                "--peer-advertise",
+            ),
+            (
+                vec![
+                    "--peer-listen",
+                    "0.0.0.0:9094",
+                    "--peer-secret-file",
+                    "/s",
+                    "--peer-advertise",
+                    "10.0.0.1:0",
+                ],
+                "reachable",
+            ),
+            (
+                vec![
+                    "--peer-listen",
+                    "10.0.0.1:9094",
+                    "--peer-secret-file",
+                    "/s",
+                    "--peer-timeout-ms",
+                    "0",
+                ],
+                "positive",
+            ),
         ] {
             let e = parse(&flags).validate().unwrap_err();
             assert!(e.contains(needle), "{flags:?}: {e}");

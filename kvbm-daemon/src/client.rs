@@ -48,6 +48,8 @@ pub struct Onboarded {
     pub disk: u32,
     /// Of which fetched from the remote store.
     pub remote: u32,
+    /// Of which pulled from another node's block manager.
+    pub peer: u32,
 }
 
 /// A connected, registered connector with its own segment.
@@ -136,7 +138,9 @@ impl Client {
         pin_ms: u32,
     ) -> Result<(u32, u32, u32), ClientError> {
         match self.call(&Request::Lookup { keys, pin_ms }).await? {
-            Response::Found { host, any, pinned } => Ok((host, any, pinned)),
+            Response::Found {
+                host, any, pinned, ..
+            } => Ok((host, any, pinned)),
             other => Err(unexpected(other)),
         }
     }
@@ -157,11 +161,13 @@ impl Client {
                 from_host,
                 from_disk,
                 from_remote,
+                from_peer,
             } => Ok(Onboarded {
                 blocks,
                 host: from_host,
                 disk: from_disk,
                 remote: from_remote,
+                peer: from_peer,
             }),
             other => Err(unexpected(other)),
         }

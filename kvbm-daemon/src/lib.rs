@@ -18,6 +18,8 @@
 //! - edges: [`server`] (the Unix socket; [`fdpass`] and [`segment`] for the shared-memory
 //!   data path), [`disk`], [`remote`] (Redis or S3), [`nats`] (envelopes, snapshots), metrics
 //!   and health;
+//! - [`peers`]: pulls between nodes' daemons over TCP (a directory of what each peer holds,
+//!   from their NATS streams; a shared-secret handshake; the pull client and server);
 //! - [`client`]: the Rust reference connector (vLLM's is `connectors/vllm`, in Python).
 //!
 //! `docs/kvbm.md` documents the protocol, flags, metrics and what is not in this build
@@ -32,6 +34,7 @@ mod held;
 pub mod metrics;
 pub mod nats;
 pub mod outbox;
+pub mod peers;
 mod pending;
 pub mod protocol;
 pub mod ratelimit;

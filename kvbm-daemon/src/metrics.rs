@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use telemetry::{Exposition, Histogram, Kind, buckets};
 
+use crate::peers::metrics::PeerMetrics;
 use crate::protocol::ErrorCode;
 use kv_events::Tier;
 
@@ -68,6 +69,8 @@ pub struct Metrics {
     pub nats_connected: AtomicBool,
     /// Offloaded blocks not stored because their connection was over its offload budget.
     pub offload_throttled_blocks: AtomicU64,
+    /// Pulls from peers and pulls served to them.
+    pub peer: PeerMetrics,
 }
 
 impl Default for Metrics {
@@ -90,6 +93,7 @@ impl Default for Metrics {
             outbox_overflows: AtomicU64::new(0),
             nats_connected: AtomicBool::new(false),
             offload_throttled_blocks: AtomicU64::new(0),
+            peer: PeerMetrics::default(),
         }
     }
 }
@@ -426,6 +430,7 @@ impl Metrics {
             &[],
             f64::from(u8::from(self.nats_connected.load(Ordering::Relaxed))),
         );
+        self.peer.render(&mut e);
         e.finish()
     }
 }

@@ -145,9 +145,14 @@ pub enum Response {
         host: u32,
         /// Leading blocks in any tier.
         any: u32,
-        /// Of those, how many are now pinned (fewer than `any` at the daemon's pin limit).
+        /// Of those, how many are now pinned (fewer than `any` at the daemon's pin limit;
+        /// a peer's blocks are never pinned).
         #[serde(default)]
         pinned: u32,
+        /// Of `any`, the trailing blocks another node's block manager holds (pulled at the
+        /// onboard).
+        #[serde(default)]
+        peer: u32,
     },
     /// An unpin's answer.
     Unpinned {
@@ -165,6 +170,9 @@ pub enum Response {
         from_disk: u32,
         /// Of which fetched from the remote store.
         from_remote: u32,
+        /// Of which pulled from another node's block manager.
+        #[serde(default)]
+        from_peer: u32,
     },
     /// The request failed; after `malformed` and `sequence` the daemon closes the connection.
     Error {
@@ -285,6 +293,7 @@ mod tests {
                 host: 1,
                 any: 2,
                 pinned: 2,
+                peer: 0,
             },
             Response::Unpinned { blocks: 1 },
             Response::Onboarded {
@@ -292,6 +301,7 @@ mod tests {
                 from_host: 1,
                 from_disk: 0,
                 from_remote: 1,
+                from_peer: 1,
             },
             Response::Error {
                 code: ErrorCode::Slot,

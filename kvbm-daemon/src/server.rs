@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kv_events::{BlockKey, Tier};
+use kv_events::BlockKey;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{UnixListener, UnixStream};
 
@@ -15,7 +15,7 @@ use crate::held::HeldPins;
 use crate::protocol::{self, ErrorCode, Request, Response, Slot};
 use crate::ratelimit::ByteBucket;
 use crate::segment::Segment;
-use crate::service::{Service, ServiceError};
+use crate::service::{Origin, Service, ServiceError};
 use crate::store::{Layout, LayoutId, StoreError};
 
 /// The socket's limits.
@@ -248,13 +248,14 @@ async fn handle(
             let until = Instant::now() + pin.min(service.max_pin());
             let block_keys: Vec<BlockKey> = keys.iter().copied().map(BlockKey).collect();
             match service.lookup(s.layout, &block_keys, pin) {
-                Ok((l, pinned)) => {
+                Ok(held) => {
                     s.pins
-                        .add(keys.get(..pinned as usize).unwrap_or_default(), until);
+                        .add(keys.get(..held.pinned as usize).unwrap_or_default(), until);
                     Response::Found {
-                        host: l.host,
-                        any: l.any,
-                        pinned,
+                        host: held.host,
+                        any: held.any,
+                        pinned: held.pinned,
+                        peer: held.peer,
                     }
                 }
                 Err(e) => service_error(&e),
@@ -398,7 +399,7 @@ async fn onboard(s: &Session, slots: &[Slot], service: &Service) -> Response {
     if let Err(r) = check_slots(s, slots) {
         return r;
     }
-    let (mut from_host, mut from_disk, mut from_remote) = (0u32, 0u32, 0u32);
+    let (mut from_host, mut from_disk, mut from_remote, mut from_peer) = (0u32, 0u32, 0u32, 0u32);
     for chunk in slots.chunks(chunk_len(s.block_bytes)) {
         let keys: Vec<BlockKey> = chunk.iter().map(|s| BlockKey(s.key)).collect();
         let found = match service.onboard(s.layout, &keys).await {
@@ -414,11 +415,12 @@ async fn onboard(s: &Session, slots: &[Slot], service: &Service) -> Response {
         if let Err(e) = written {
             return error(ErrorCode::Segment, e.to_string());
         }
-        for (_, tier) in &found {
-            match tier {
-                Tier::Host => from_host += 1,
-                Tier::Disk => from_disk += 1,
-                _ => from_remote += 1,
+        for (_, origin) in &found {
+            match origin {
+                Origin::Host => from_host += 1,
+                Origin::Disk => from_disk += 1,
+                Origin::Remote => from_remote += 1,
+                Origin::Peer => from_peer += 1,
             }
         }
         // The chain stops at the first block the node does not hold.
@@ -427,9 +429,10 @@ async fn onboard(s: &Session, slots: &[Slot], service: &Service) -> Response {
         }
     }
     Response::Onboarded {
-        blocks: from_host + from_disk + from_remote,
+        blocks: from_host + from_disk + from_remote + from_peer,
         from_host,
         from_disk,
         from_remote,
+        from_peer,
     }
 }

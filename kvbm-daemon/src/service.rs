@@ -21,7 +21,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use bytes::Bytes;
 use kv_events::snapshot::Snapshot;
@@ -31,11 +31,10 @@ use tokio::sync::{Notify, mpsc};
 use crate::disk::{DiskDir, DiskError, block_file_name};
 use crate::metrics::Metrics;
 use crate::outbox::{Group, Outbox};
+use crate::peers::Peers;
 use crate::pending::Pending;
 use crate::remote::Remote;
-use crate::store::{
-    BlockId, BlockStore, Effect, Found, Layout, LayoutId, Lookup, Offloaded, StoreError,
-};
+use crate::store::{BlockId, BlockStore, Effect, Found, Layout, LayoutId, Offloaded, StoreError};
 
 /// Disk reads an onboard keeps in flight ahead of the block it is at, at most…
 const READ_AHEAD: usize = 16;
@@ -195,6 +194,8 @@ pub struct Service {
     sealed_tx: mpsc::UnboundedSender<Envelope>,
     wake: Notify,
     metrics: Arc<Metrics>,
+    /// Other nodes' block managers, once attached.
+    peers: OnceLock<Arc<Peers>>,
 }
 
 impl std::fmt::Debug for Service {
@@ -223,7 +224,44 @@ pub struct Parts {
     pub remote: Option<mpsc::UnboundedReceiver<WriteOp>>,
 }
 
+/// What a lookup found held.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Leading blocks in this node's host memory.
+    pub host: u32,
+    /// Leading blocks this node or, after them, one peer holds.
+    pub any: u32,
+    /// Of this node's, how many are now pinned.
+    pub pinned: u32,
+    /// Of `any`, how many a peer holds (not pinned).
+    pub peer: u32,
+}
+
+/// Where an onboarded block came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// This node's host memory.
+    Host,
+    /// This node's disk.
+    Disk,
+    /// The remote store.
+    Remote,
+    /// Another node's block manager.
+    Peer,
+}
+
+impl From<Tier> for Origin {
+    fn from(tier: Tier) -> Self {
+        match tier {
+            Tier::Host | Tier::Gpu => Origin::Host,
+            Tier::Disk => Origin::Disk,
+            Tier::Remote => Origin::Remote,
+        }
+    }
+}
+
 /// Bounds of a write queue's puts.
+
 #[derive(Debug, Clone, Copy)]
 pub struct QueueBounds {
     /// Puts queued at most.
@@ -268,6 +306,7 @@ impl Service {
             sealed_tx,
             wake: Notify::new(),
             metrics,
+            peers: OnceLock::new(),
         });
         Parts {
             service,
@@ -348,23 +387,43 @@ impl Service {
     }
 
     /// How much of a chain is held; with `pin` > 0, the leading held blocks are also pinned
-    /// that long (at most the service's longest pin), and how many were is returned.
+    /// that long (at most the service's longest pin). Past the blocks this node holds, the
+    /// run a peer holds counts too (not pinned: a peer's blocks may be gone by the onboard).
     pub fn lookup(
         &self,
         layout: LayoutId,
         keys: &[BlockKey],
         pin: std::time::Duration,
-    ) -> Result<(Lookup, u32), ServiceError> {
-        let mut state = self.open()?;
-        let found = state.store.lookup(layout, keys)?;
-        let pinned = if pin.is_zero() {
-            0
-        } else {
-            let ms = u64::try_from(pin.min(self.max_pin).as_millis()).unwrap_or(u64::MAX);
-            let until = self.now_ms().saturating_add(ms);
-            state.store.pin(layout, keys, until)?
+    ) -> Result<Held, ServiceError> {
+        let (local, pinned) = {
+            let mut state = self.open()?;
+            let found = state.store.lookup(layout, keys)?;
+            let pinned = if pin.is_zero() {
+                0
+            } else {
+                let ms = u64::try_from(pin.min(self.max_pin).as_millis()).unwrap_or(u64::MAX);
+                let until = self.now_ms().saturating_add(ms);
+                state.store.pin(layout, keys, until)?
+            };
+            (found, pinned)
         };
-        Ok((found, pinned))
+        let rest = keys.get(local.any as usize..).unwrap_or_default();
+        let peer = match self.peers.get() {
+            Some(peers) if !rest.is_empty() => peers.best(rest).map_or(0, |h| h.blocks),
+            _ => 0,
+        };
+        Ok(Held {
+            host: local.host,
+            any: local.any + peer,
+            pinned,
+            peer,
+        })
+    }
+
+    /// Lets lookups and onboards reach other nodes' block managers (once; later calls are
+    /// ignored).
+    pub fn attach_peers(&self, peers: Arc<Peers>) {
+        let _ = self.peers.set(peers);
     }
 
     /// The longest pin.
@@ -377,10 +436,96 @@ impl Service {
         Ok(self.open()?.store.unpin(layout, keys)?)
     }
 
+    /// The leading blocks of `keys` this node holds, then those a peer holds after them,
+    /// each with where it came from. Blocks pulled from a peer are stored in this node's host
+    /// memory (and published) like an offload; a pull that fails ends the chain there (the
+    /// engine computes the rest).
+    pub async fn onboard(
+        &self,
+        layout: LayoutId,
+        keys: &[BlockKey],
+    ) -> Result<Vec<(Bytes, Origin)>, ServiceError> {
+        let local = self.onboard_local(layout, keys).await?;
+        let mut out: Vec<(Bytes, Origin)> = local
+            .into_iter()
+            .map(|(d, t)| (d, Origin::from(t)))
+            .collect();
+        let (Some(peers), Some(rest)) = (self.peers.get(), keys.get(out.len()..)) else {
+            return Ok(out);
+        };
+        let Some(holding) = peers.best(rest) else {
+            return Ok(out);
+        };
+        let described = self.open()?.store.layout(layout).cloned();
+        let Some(described) = described else {
+            return Ok(out);
+        };
+        let want = rest.get(..holding.blocks as usize).unwrap_or(rest);
+        let started = std::time::Instant::now();
+        let pulled = match peers.pull(&holding, &described, want).await {
+            Ok(blocks) => blocks,
+            Err(e) => {
+                self.metrics.peer.pull_failed(e.metric_label());
+                tracing::warn!(
+                    peer = %holding.node, addr = %holding.addr, error = %e,
+                    "pull from a peer failed; the engine computes those blocks"
+                );
+                return Ok(out);
+            }
+        };
+        let bytes: u64 = pulled.iter().map(|b| b.len() as u64).sum();
+        self.metrics
+            .peer
+            .pulled(pulled.len(), want.len(), bytes, started.elapsed());
+        if !pulled.is_empty() {
+            let parent = out.len().checked_sub(1).and_then(|i| keys.get(i)).copied();
+            let blocks: Vec<(BlockKey, Bytes)> =
+                want.iter().copied().zip(pulled.iter().cloned()).collect();
+            // The connector gets the blocks either way; keeping them here is a bonus.
+            let mut state = self.open()?;
+            let mut effects = Vec::new();
+            if let Err(e) = state.store.offload(layout, parent, &blocks, &mut effects) {
+                tracing::warn!(error = %e, "blocks pulled from a peer not kept");
+            }
+            self.dispatch(&mut state, effects);
+        }
+        out.extend(pulled.into_iter().map(|d| (d, Origin::Peer)));
+        Ok(out)
+    }
+
+    /// A peer's pull: the leading blocks of `keys` this node holds under a layout equal to
+    /// `layout` (none when no connector here registered it), at most one answer's worth,
+    /// from this node's own tiers only.
+    pub async fn serve_pull(
+        &self,
+        layout: &Layout,
+        keys: &[BlockKey],
+    ) -> Result<Vec<Bytes>, ServiceError> {
+        let id = {
+            let state = self.open()?;
+            state
+                .store
+                .layouts()
+                .find_map(|(id, l)| (l == layout).then_some(id))
+        };
+        let Some(id) = id else {
+            return Ok(Vec::new());
+        };
+        let keys = keys
+            .get(..crate::peers::wire::answer_blocks(layout.block_bytes))
+            .unwrap_or(keys);
+        Ok(self
+            .onboard_local(id, keys)
+            .await?
+            .into_iter()
+            .map(|(d, _)| d)
+            .collect())
+    }
+
     /// The leading blocks of `keys` the node holds, each with the tier it came from;
     /// lower-tier blocks are read (from the write queue if not yet written) and promoted to
     /// host memory.
-    pub async fn onboard(
+    pub async fn onboard_local(
         &self,
         layout: LayoutId,
         keys: &[BlockKey],
@@ -1020,12 +1165,18 @@ mod tests {
         s.offload(l, None, &blocks(&[1, 2, 3, 4])).unwrap();
         assert_eq!(s.queued_bytes(), [2 * B, 0]);
         let one = s.onboard(l, &[BlockKey(1)]).await.unwrap();
-        assert_eq!(one, vec![(Bytes::from(vec![1u8; B as usize]), Tier::Disk)]);
+        assert_eq!(
+            one,
+            vec![(Bytes::from(vec![1u8; B as usize]), Origin::Disk)]
+        );
         run_writer(&mut parts, &disk);
         drained(&s).await;
         // Block 2 now comes from its file.
         let two = s.onboard(l, &[BlockKey(2)]).await.unwrap();
-        assert_eq!(two, vec![(Bytes::from(vec![2u8; B as usize]), Tier::Disk)]);
+        assert_eq!(
+            two,
+            vec![(Bytes::from(vec![2u8; B as usize]), Origin::Disk)]
+        );
         assert_eq!(s.with_store(|st| st.counters().disk.onboarded), 2);
         // Promoting 1 and 2 demoted 3 and 4: every disk block has its file.
         drained(&s).await;
@@ -1042,7 +1193,7 @@ mod tests {
         std::fs::remove_file(dir.0.join(block_file_name(layout().fingerprint(), gone))).unwrap();
         let _ = sealed_events(&mut parts);
         assert!(s.onboard(l, &[gone]).await.unwrap().is_empty());
-        assert_eq!(s.lookup(l, &[gone], Duration::ZERO).unwrap().0.any, 0);
+        assert_eq!(s.lookup(l, &[gone], Duration::ZERO).unwrap().any, 0);
         assert!(sealed_events(&mut parts).contains(&KvEvent::Removed {
             keys: vec![gone],
             tier: Tier::Disk
@@ -1065,10 +1216,7 @@ mod tests {
         let name = block_file_name(layout().fingerprint(), BlockKey(1));
         let got = s.missed(Tier::Disk, id, &name, B).unwrap();
         assert_eq!(got, Some(Bytes::from(vec![1u8; B as usize])));
-        assert_eq!(
-            s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().0.any,
-            1
-        );
+        assert_eq!(s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().any, 1);
         // Once the put is done (and the tier still misses), the miss forgets the block and
         // queues a delete of its name.
         let mut rx = parts.disk.take().unwrap();
@@ -1077,10 +1225,7 @@ mod tests {
         }
         s.put_done(Tier::Disk, &name);
         assert_eq!(s.missed(Tier::Disk, id, &name, B).unwrap(), None);
-        assert_eq!(
-            s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().0.any,
-            0
-        );
+        assert_eq!(s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().any, 0);
         assert!(matches!(rx.try_recv(), Ok(WriteOp::Delete { name: n }) if n == name));
     }
 
@@ -1095,7 +1240,7 @@ mod tests {
         s.offload(l, None, &blocks(&[1, 2, 3])).unwrap();
         drained(&s).await;
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().0.any != 0 {
+        while s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().any != 0 {
             assert!(std::time::Instant::now() < deadline, "block 1 forgotten");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -1169,11 +1314,15 @@ mod tests {
         let got = s.onboard(l, &[BlockKey(1)]).await.unwrap();
         assert_eq!(
             got,
-            vec![(Bytes::from(vec![1u8; B as usize]), Tier::Remote)]
+            vec![(Bytes::from(vec![1u8; B as usize]), Origin::Remote)]
         );
         assert_eq!(
-            s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().0,
-            Lookup { host: 1, any: 1 }
+            s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap(),
+            Held {
+                host: 1,
+                any: 1,
+                ..Held::default()
+            }
         );
     }
 
@@ -1275,7 +1424,7 @@ mod tests {
         // Block 1 is demoted and written to the bucket.
         s.offload(l, None, &blocks(&[1, 2, 3])).unwrap();
         drained(&s).await;
-        let indexed = |s: &Service| s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().0.any;
+        let indexed = |s: &Service| s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().any;
         // The store is busy (503): the read fails, the block stays indexed for a later try.
         assert!(s.onboard(l, &[BlockKey(1)]).await.unwrap().is_empty());
         assert_eq!(indexed(&s), 1);
@@ -1310,10 +1459,7 @@ mod tests {
         assert_eq!(s.metrics().remote_writes.dropped.load(Ordering::Relaxed), 1);
         // Block 2's put was dropped, so the store forgot it at once (Removed, not a phantom
         // remote entry); block 1 comes from the queue.
-        assert_eq!(
-            s.lookup(l, &[BlockKey(2)], Duration::ZERO).unwrap().0.any,
-            0
-        );
+        assert_eq!(s.lookup(l, &[BlockKey(2)], Duration::ZERO).unwrap().any, 0);
         let got = s.onboard(l, &[BlockKey(1), BlockKey(2)]).await.unwrap();
         assert_eq!(got.len(), 1);
     }

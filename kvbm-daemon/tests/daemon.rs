@@ -233,6 +233,7 @@ async fn onboard_two_remote_four_host(c: &mut Client, keys: &[u64], shift: u64) 
         host: 4,
         disk: 0,
         remote: 2,
+        peer: 0,
     };
     assert_eq!(got, want);
     assert_intact(c, &into);
@@ -675,7 +676,8 @@ async fn the_disk_tier_keeps_demoted_blocks_and_serves_them_first() {
             blocks: 2,
             host: 0,
             disk: 2,
-            remote: 0
+            remote: 0,
+            peer: 0,
         }
     );
     assert_intact(&c, &into);

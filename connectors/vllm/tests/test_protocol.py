@@ -37,7 +37,9 @@ def test_responses_decode_with_their_defaults():
     enc = msgspec.msgpack.encode
     assert p.decode(enc({"op": "found", "host": 1, "any": 3}), "found") == p.Found(1, 3, 0)
     assert p.decode(enc({"op": "onboarded", "blocks": 2, "from_host": 1, "from_remote": 1}),
-                    "onboarded") == p.Onboarded(2, 1, 0, 1)
+                    "onboarded") == p.Onboarded(2, 1, 0, 1, 0)
+    assert p.decode(enc({"op": "onboarded", "blocks": 3, "from_host": 1, "from_remote": 0,
+                         "from_disk": 0, "from_peer": 2}), "onboarded") == p.Onboarded(3, 1, 0, 0, 2)
     assert p.decode(enc({"op": "offloaded", "stored": 1, "present": 2}), "offloaded") == p.Offloaded(1, 2, 0)
 
 

@@ -47,6 +47,12 @@ pub fn kvbm_wildcard(namespace: &str) -> String {
     format!("kvgate.kvbm.{}.>", token(namespace))
 }
 
+/// `kvgate.kvbm-peers.<namespace>`: block managers announcing where peers pull their blocks
+/// (a token of its own after `kvgate`, so no `kvgate.kvbm.<namespace>.>` subscriber sees it).
+pub fn kvbm_peers(namespace: &str) -> String {
+    format!("kvgate.kvbm-peers.{}", token(namespace))
+}
+
 /// `kvgate.snapshot.<namespace>.<pool>.<pod>`: request/reply for a pod's resident set.
 pub fn snapshot(namespace: &str, pool: &str, pod: &str) -> String {
     format!(
@@ -105,5 +111,6 @@ mod tests {
         assert_eq!(load("ns", "p", "x"), "kvgate.load.ns.p.x");
         assert_eq!(inflight("ns", "p"), "kvgate.inflight.ns.p");
         assert_eq!(kvbm_wildcard("ns"), "kvgate.kvbm.ns.>");
+        assert_eq!(kvbm_peers("a.b"), "kvgate.kvbm-peers.a_b");
     }
 }

@@ -166,6 +166,7 @@ class Client:
                 total.from_host + got.from_host,
                 total.from_disk + got.from_disk,
                 total.from_remote + got.from_remote,
+                total.from_peer + got.from_peer,
             )
             if got.blocks < len(chunk):
                 break

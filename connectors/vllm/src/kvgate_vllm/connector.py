@@ -364,6 +364,7 @@ class KvgateConnector(KVConnectorBase_V1):
             if got is not None:
                 self._stats.add("loaded_from_disk_blocks", got.from_disk)
                 self._stats.add("loaded_from_remote_blocks", got.from_remote)
+                self._stats.add("loaded_from_peer_blocks", got.from_peer)
             if n < len(keys):
                 failed = t.block_ids[start + n :]
                 self._load_errors.update(failed)

@@ -16,6 +16,7 @@ COUNTERS: dict[str, str] = {
     "loaded_blocks": "Blocks loaded from the block manager into the engine's KV cache.",
     "loaded_from_disk_blocks": "Of the loaded blocks, those the block manager read from disk.",
     "loaded_from_remote_blocks": "Of the loaded blocks, those it fetched from its remote store.",
+    "loaded_from_peer_blocks": "Of the loaded blocks, those it pulled from another node's block manager.",
     "load_failed_blocks": "Blocks that could not be loaded (recomputed by the engine).",
     "offloaded_blocks": "Blocks the block manager stored.",
     "offload_skipped_blocks": "Offloaded blocks it did not store (no room, or over a budget).",

@@ -78,6 +78,8 @@ class Onboarded:
     from_host: int
     from_disk: int
     from_remote: int
+    #: Pulled by the block manager from another node's (absent from older daemons: 0).
+    from_peer: int = 0
 
 
 class DaemonError(Exception):
@@ -174,5 +176,6 @@ def decode(body: bytes, expect: str) -> Any:
             _field(msg, "from_host"),
             _field(msg, "from_disk", 0),
             _field(msg, "from_remote"),
+            _field(msg, "from_peer", 0),
         )
     raise ProtocolError(f"unknown response {op!r}")
