@@ -176,9 +176,9 @@ fn every_value_set_lints_and_renders_secure_workloads() {
     let peers = kvbm(&everything).unwrap();
     for needle in [
         "--peer-listen=0.0.0.0:9094",
-        "--peer-advertise=$(POD_IP):9094",
+        "--peer-advertise-ip=$(POD_IP)",
         "--peer-secret-file=/etc/kvgate/peer/secret",
-        "--peer-timeout-ms=3000",
+        "--peer-timeout-ms=1500",
         "status.podIP",
         "kvbm-peers",
     ] {

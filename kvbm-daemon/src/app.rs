@@ -416,11 +416,17 @@ fn start_peers(
                 model: args.model.clone(),
                 block_size: args.block_size,
                 addr: advertise,
+                interval_ms: u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
+                layouts: Vec::new(),
             },
             interval,
             snapshot_timeout: Duration::from_secs(2),
         },
         Arc::clone(service.metrics()),
+        {
+            let service = Arc::clone(service);
+            move || service.layout_fingerprints()
+        },
         stopped(stop_rx.clone()),
     );
     tokio::spawn(async move {
@@ -434,6 +440,7 @@ fn start_peers(
         Arc::clone(service),
         ServeConfig {
             node: args.node.clone(),
+            advertise,
             secret,
             max_connections: args.peer_max_connections,
             io_timeout: timeout,

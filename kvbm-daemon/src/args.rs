@@ -142,17 +142,19 @@ pub struct Args {
     /// fetched over TCP instead of recomputed. Off when absent. Needs `--peer-secret-file`.
     #[arg(long, env = "KVGATE_PEER_LISTEN")]
     pub peer_listen: Option<std::net::SocketAddr>,
-    /// The address peers connect to (`ip:port`, e.g. the pod IP); defaults to
-    /// `--peer-listen` unless that is an unspecified address such as 0.0.0.0.
-    #[arg(long, env = "KVGATE_PEER_ADVERTISE")]
-    pub peer_advertise: Option<std::net::SocketAddr>,
+    /// The IP address peers connect to (the pod IP), on `--peer-listen`'s port; defaults to
+    /// `--peer-listen`'s address unless that is an unspecified one such as 0.0.0.0.
+    #[arg(long, env = "KVGATE_PEER_ADVERTISE_IP")]
+    pub peer_advertise_ip: Option<std::net::IpAddr>,
     /// A file holding the secret every node of the mesh shares (16 to 4096 bytes; surrounding
     /// white space is ignored): both ends of a pull prove they hold it.
     #[arg(long, env = "KVGATE_PEER_SECRET_FILE")]
     pub peer_secret_file: Option<PathBuf>,
-    /// The longest a pull from a peer may take (connecting, authenticating, up to 64 MiB of
-    /// blocks), milliseconds; a pull past it fails and the engine computes the blocks.
-    #[arg(long, default_value_t = 5000)]
+    /// The longest a pull from a peer may take (connecting, at most 500 ms of it;
+    /// authenticating; up to 64 MiB of blocks), milliseconds; a pull past it fails and the
+    /// engine computes the blocks. Keep it below the connectors' own call timeout (2 s for
+    /// vLLM's).
+    #[arg(long, default_value_t = 1000)]
     pub peer_timeout_ms: u64,
     /// Peer connections served at once.
     #[arg(long, default_value_t = 64)]
@@ -238,24 +240,24 @@ impl Args {
 
     fn validate_peers(&self) -> Result<(), String> {
         let Some(listen) = self.peer_listen else {
-            if self.peer_advertise.is_some() || self.peer_secret_file.is_some() {
-                return Err("--peer-advertise and --peer-secret-file need --peer-listen".into());
+            if self.peer_advertise_ip.is_some() || self.peer_secret_file.is_some() {
+                return Err("--peer-advertise-ip and --peer-secret-file need --peer-listen".into());
             }
             return Ok(());
         };
         if self.peer_secret_file.is_none() {
             return Err("--peer-listen needs --peer-secret-file (the mesh's shared secret)".into());
         }
-        if self.peer_advertise.is_none() && listen.ip().is_unspecified() {
+        if listen.port() == 0 {
+            return Err("--peer-listen needs a fixed port: peers are told it".into());
+        }
+        if self.peer_advertise_ip.is_none() && listen.ip().is_unspecified() {
             return Err(format!(
-                "--peer-listen {listen} is not an address peers can reach: give --peer-advertise (e.g. the pod IP and port)"
+                "--peer-listen {listen} is not an address peers can reach: give --peer-advertise-ip (the pod IP)"
             ));
         }
-        if self
-            .peer_advertise
-            .is_some_and(|a| a.ip().is_unspecified() || a.port() == 0)
-        {
-            return Err("--peer-advertise must be a reachable ip:port".into());
+        if self.peer_advertise_ip.is_some_and(|ip| ip.is_unspecified()) {
+            return Err("--peer-advertise-ip must be an address peers can reach".into());
         }
         if self.peer_timeout_ms == 0
             || self.peer_max_connections == 0
@@ -271,7 +273,11 @@ impl Args {
 
     /// The address peers are told to pull from, when peers are on.
     pub fn peer_address(&self) -> Option<std::net::SocketAddr> {
-        self.peer_advertise.or(self.peer_listen)
+        let listen = self.peer_listen?;
+        Some(std::net::SocketAddr::new(
+            self.peer_advertise_ip.unwrap_or(listen.ip()),
+            listen.port(),
+        ))
     }
 }
 
@@ -317,11 +323,21 @@ mod tests {
             "0.0.0.0:9094",
             "--peer-secret-file",
             "/s",
-            "--peer-advertise",
-            "10.1.2.3:9094",
+            "--peer-advertise-ip",
+            "10.1.2.3",
         ]);
         assert_eq!(pod.validate(), Ok(()));
         assert_eq!(pod.peer_address(), Some(([10, 1, 2, 3], 9094).into()));
+        let v6 = parse(&[
+            "--peer-listen",
+            "[::]:9094",
+            "--peer-secret-file",
+            "/s",
+            "--peer-advertise-ip",
+            "fd00::7",
+        ]);
+        assert_eq!(v6.validate(), Ok(()));
+        assert_eq!(v6.peer_address(), Some("[fd00::7]:9094".parse().unwrap()));
         assert_eq!(parse(&[]).peer_address(), None);
     }
 
@@ -357,7 +373,11 @@ mod tests {
             (vec!["--peer-secret-file", "/s"], "need --peer-listen"),
             (
                 vec!["--peer-listen", "0.0.0.0:9094", "--peer-secret-file", "/s"],
-                "--peer-advertise",
+                "--peer-advertise-ip",
+            ),
+            (
+                vec!["--peer-listen", "10.0.0.1:0", "--peer-secret-file", "/s"],
+                "fixed port",
             ),
             (
                 vec![
@@ -365,10 +385,10 @@ mod tests {
                     "0.0.0.0:9094",
                     "--peer-secret-file",
                     "/s",
-                    "--peer-advertise",
-                    "10.0.0.1:0",
+                    "--peer-advertise-ip",
+                    "::",
                 ],
-                "reachable",
+                "peers can reach",
             ),
             (
                 vec![

@@ -395,9 +395,10 @@ impl Service {
         keys: &[BlockKey],
         pin: std::time::Duration,
     ) -> Result<Held, ServiceError> {
-        let (local, pinned) = {
+        let (local, pinned, fingerprint) = {
             let mut state = self.open()?;
             let found = state.store.lookup(layout, keys)?;
+            let fingerprint = state.store.layout(layout).map(Layout::fingerprint);
             let pinned = if pin.is_zero() {
                 0
             } else {
@@ -405,11 +406,11 @@ impl Service {
                 let until = self.now_ms().saturating_add(ms);
                 state.store.pin(layout, keys, until)?
             };
-            (found, pinned)
+            (found, pinned, fingerprint)
         };
         let rest = keys.get(local.any as usize..).unwrap_or_default();
-        let peer = match self.peers.get() {
-            Some(peers) if !rest.is_empty() => peers.best(rest).map_or(0, |h| h.blocks),
+        let peer = match (self.peers.get(), fingerprint) {
+            (Some(peers), Some(fp)) => peers.best(rest, fp).map_or(0, |h| h.blocks),
             _ => 0,
         };
         Ok(Held {
@@ -418,6 +419,15 @@ impl Service {
             pinned,
             peer,
         })
+    }
+
+    /// The fingerprints of the layouts connectors registered (what peers may pull).
+    pub fn layout_fingerprints(&self) -> Vec<u64> {
+        self.lock()
+            .store
+            .layouts()
+            .map(|(_, l)| l.fingerprint())
+            .collect()
     }
 
     /// Lets lookups and onboards reach other nodes' block managers (once; later calls are
@@ -453,19 +463,22 @@ impl Service {
         let (Some(peers), Some(rest)) = (self.peers.get(), keys.get(out.len()..)) else {
             return Ok(out);
         };
-        let Some(holding) = peers.best(rest) else {
-            return Ok(out);
-        };
         let described = self.open()?.store.layout(layout).cloned();
         let Some(described) = described else {
             return Ok(out);
         };
+        let Some(holding) = peers.best(rest, described.fingerprint()) else {
+            return Ok(out);
+        };
         let want = rest.get(..holding.blocks as usize).unwrap_or(rest);
         let started = std::time::Instant::now();
-        let pulled = match peers.pull(&holding, &described, want).await {
-            Ok(blocks) => blocks,
+        let (answer_parent, pulled) = match peers.pull(&holding, &described, want).await {
+            Ok(answer) => answer,
             Err(e) => {
                 self.metrics.peer.pull_failed(e.metric_label());
+                if e.unreachable() {
+                    peers.unreachable(&holding);
+                }
                 tracing::warn!(
                     peer = %holding.node, addr = %holding.addr, error = %e,
                     "pull from a peer failed; the engine computes those blocks"
@@ -478,7 +491,11 @@ impl Service {
             .peer
             .pulled(pulled.len(), want.len(), bytes, started.elapsed());
         if !pulled.is_empty() {
-            let parent = out.len().checked_sub(1).and_then(|i| keys.get(i)).copied();
+            // The key before the run: the last block served here, else the holder's record.
+            let parent = match out.len().checked_sub(1) {
+                Some(i) => keys.get(i).copied(),
+                None => answer_parent,
+            };
             let blocks: Vec<(BlockKey, Bytes)> =
                 want.iter().copied().zip(pulled.iter().cloned()).collect();
             // The connector gets the blocks either way; keeping them here is a bonus.
@@ -495,31 +512,38 @@ impl Service {
 
     /// A peer's pull: the leading blocks of `keys` this node holds under a layout equal to
     /// `layout` (none when no connector here registered it), at most one answer's worth,
-    /// from this node's own tiers only.
+    /// from this node's own tiers only; and the key before the first in its chain (so the
+    /// puller stores the run where it belongs).
     pub async fn serve_pull(
         &self,
         layout: &Layout,
         keys: &[BlockKey],
-    ) -> Result<Vec<Bytes>, ServiceError> {
-        let id = {
+    ) -> Result<(Option<BlockKey>, Vec<Bytes>), ServiceError> {
+        let (id, parent) = {
             let state = self.open()?;
-            state
+            let id = state
                 .store
                 .layouts()
-                .find_map(|(id, l)| (l == layout).then_some(id))
+                .find_map(|(id, l)| (l == layout).then_some(id));
+            let parent = match (id, keys.first()) {
+                (Some(layout), Some(key)) => state.store.parent(&BlockId { layout, key: *key }),
+                _ => None,
+            };
+            (id, parent)
         };
         let Some(id) = id else {
-            return Ok(Vec::new());
+            return Ok((None, Vec::new()));
         };
         let keys = keys
             .get(..crate::peers::wire::answer_blocks(layout.block_bytes))
             .unwrap_or(keys);
-        Ok(self
+        let blocks = self
             .onboard_local(id, keys)
             .await?
             .into_iter()
             .map(|(d, _)| d)
-            .collect())
+            .collect();
+        Ok((parent, blocks))
     }
 
     /// The leading blocks of `keys` the node holds, each with the tier it came from;

@@ -22,7 +22,7 @@ use kv_events::{Envelope, KvEvent, Tier};
 use kvgate_kvbm::client::{Client, ClientError, Onboarded};
 use kvgate_kvbm::protocol::{ErrorCode, Slot};
 use kvgate_kvbm::store::Layout;
-use support::{Proc, free_port, nats_server, redis_server, s3_server, wait_port};
+use support::{Proc, free_port, metric, metrics, nats_server, redis_server, s3_server, wait_port};
 use tokio_stream::StreamExt as _;
 
 const BLOCK: u64 = 4096;
@@ -237,30 +237,6 @@ async fn onboard_two_remote_four_host(c: &mut Client, keys: &[u64], shift: u64) 
     };
     assert_eq!(got, want);
     assert_intact(c, &into);
-}
-
-async fn metrics(port: u16) -> String {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: kvbm\r\n\r\n")
-        .await
-        .unwrap();
-    let mut out = Vec::new();
-    s.read_to_end(&mut out).await.unwrap();
-    let text = String::from_utf8(out).unwrap();
-    assert!(
-        text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200"),
-        "{text}"
-    );
-    text.split_once("\r\n\r\n").unwrap().1.to_owned()
-}
-
-fn metric(text: &str, line_prefix: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(line_prefix)?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {line_prefix} in metrics"))
 }
 
 /// The next envelope on `events`, waiting until `deadline` at most.

@@ -2,9 +2,11 @@
 //!
 //! The server opens with a random nonce; the client answers with its own nonce and an
 //! HMAC-SHA256 of the server's; the server answers with an HMAC of the client's. Each MAC
-//! covers a role byte, the nonce and the sender's node name, so a MAC cannot be reflected back
-//! (the roles differ) or replayed on another connection (the nonces differ). Both ends prove
-//! they hold the secret; the bytes that follow are neither encrypted nor MACed (see
+//! covers a role byte, the nonce, the sender's node name and the server's address (the one the
+//! client dialed, which the server checks is the one it advertises), so a MAC cannot be
+//! reflected back (the roles differ), replayed on another connection (the nonces differ) or
+//! relayed by a third party that announced its own address (the addresses differ). Both ends
+//! prove they hold the secret; the bytes that follow are neither encrypted nor MACed (see
 //! docs/kvbm.md § Pulls from peers).
 
 use ring::hmac;
@@ -85,25 +87,32 @@ impl Secret {
         Self::new(&bytes)
     }
 
-    /// The MAC `role`, named `node`, sends for `nonce`.
-    pub fn mac(&self, role: Role, nonce: &[u8], node: &str) -> Vec<u8> {
-        let mut ctx = hmac::Context::with_key(&self.0);
-        ctx.update(CONTEXT);
-        ctx.update(&[role.byte()]);
-        ctx.update(nonce);
-        ctx.update(node.as_bytes());
-        ctx.sign().as_ref().to_vec()
+    /// The MAC `role`, named `node`, sends for `nonce` on a connection to the server at
+    /// `server`.
+    pub fn mac(&self, role: Role, nonce: &[u8], node: &str, server: &str) -> Vec<u8> {
+        hmac::sign(&self.0, &message(role, nonce, node, server))
+            .as_ref()
+            .to_vec()
     }
 
-    /// Whether `mac` is what `role`, named `node`, must send for `nonce` (in constant time).
-    pub fn verify(&self, role: Role, nonce: &[u8], node: &str, mac: &[u8]) -> bool {
-        let mut msg = Vec::with_capacity(CONTEXT.len() + 1 + nonce.len() + node.len());
-        msg.extend_from_slice(CONTEXT);
-        msg.push(role.byte());
-        msg.extend_from_slice(nonce);
-        msg.extend_from_slice(node.as_bytes());
-        hmac::verify(&self.0, &msg, mac).is_ok()
+    /// Whether `mac` is what `role`, named `node`, must send for `nonce` on a connection to
+    /// the server at `server` (in constant time).
+    pub fn verify(&self, role: Role, nonce: &[u8], node: &str, server: &str, mac: &[u8]) -> bool {
+        hmac::verify(&self.0, &message(role, nonce, node, server), mac).is_ok()
     }
+}
+
+/// What a MAC covers: each variable-length field preceded by its length, so no two
+/// different field sets read the same.
+fn message(role: Role, nonce: &[u8], node: &str, server: &str) -> Vec<u8> {
+    let mut msg = Vec::with_capacity(CONTEXT.len() + 25 + nonce.len() + node.len() + server.len());
+    msg.extend_from_slice(CONTEXT);
+    msg.push(role.byte());
+    for field in [nonce, node.as_bytes(), server.as_bytes()] {
+        msg.extend_from_slice(&(field.len() as u64).to_be_bytes());
+        msg.extend_from_slice(field);
+    }
+    msg
 }
 
 /// A fresh random nonce (`None` if the system's generator failed).
@@ -118,22 +127,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_mac_verifies_only_for_its_secret_role_nonce_and_node() {
+    fn a_mac_verifies_only_for_its_secret_role_nonce_node_and_server() {
         let secret = Secret::new(b"0123456789abcdef\n").unwrap();
         let other = Secret::new(b"0123456789abcdeX").unwrap();
         let n = nonce().unwrap();
-        let mac = secret.mac(Role::Client, &n, "node-a");
-        assert!(secret.verify(Role::Client, &n, "node-a", &mac));
-        assert!(!other.verify(Role::Client, &n, "node-a", &mac));
+        let at = "10.0.0.1:9094";
+        let mac = secret.mac(Role::Client, &n, "node-a", at);
+        assert!(secret.verify(Role::Client, &n, "node-a", at, &mac));
+        assert!(!other.verify(Role::Client, &n, "node-a", at, &mac));
         assert!(
-            !secret.verify(Role::Server, &n, "node-a", &mac),
+            !secret.verify(Role::Server, &n, "node-a", at, &mac),
             "reflected"
         );
-        assert!(!secret.verify(Role::Client, &n, "node-b", &mac));
+        assert!(!secret.verify(Role::Client, &n, "node-b", at, &mac));
+        assert!(
+            !secret.verify(Role::Client, &n, "node-a", "10.0.0.2:9094", &mac),
+            "relayed through another address"
+        );
         let m = nonce().unwrap();
         assert_ne!(n, m);
-        assert!(!secret.verify(Role::Client, &m, "node-a", &mac), "replayed");
-        assert!(!secret.verify(Role::Client, &n, "node-a", &mac[..16]));
+        assert!(
+            !secret.verify(Role::Client, &m, "node-a", at, &mac),
+            "replayed"
+        );
+        assert!(!secret.verify(Role::Client, &n, "node-a", at, &mac[..16]));
+        // Fields cannot slide into one another.
+        assert!(!secret.verify(Role::Client, &n, "node-a1", "0.0.0.1:9094", &mac));
     }
 
     #[test]
@@ -146,6 +165,12 @@ mod tests {
         let a = Secret::new(b"0123456789abcdef").unwrap();
         let b = Secret::new(b"\t0123456789abcdef\r\n").unwrap();
         let n = nonce().unwrap();
-        assert!(b.verify(Role::Server, &n, "x", &a.mac(Role::Server, &n, "x")));
+        assert!(b.verify(
+            Role::Server,
+            &n,
+            "x",
+            "s",
+            &a.mac(Role::Server, &n, "x", "s")
+        ));
     }
 }

@@ -1,18 +1,29 @@
 //! Which peer node holds which blocks, and where to pull them (pure: no I/O, no clock).
 //!
 //! Peers are the block managers of other nodes serving the same model and block size. Each
-//! announces the address it serves pulls on ([`Announce`], on NATS); the directory follows
-//! the KV-event stream of every announced peer (`kvgate.kvbm.<namespace>.<node>`) with a
-//! [`SourceSync`] each (snapshots on first sight and after a gap), into a [`KvIndex`] where
-//! each peer is a node holder. A peer not heard from within the TTL is forgotten with its
-//! blocks. [`Directory::best`] names the peer holding the longest leading run of a chain.
+//! announces the address it serves pulls on, its announce interval and the layouts its
+//! connectors registered ([`Announce`], on NATS); the directory follows the KV-event stream
+//! of every announced peer (`kvgate.kvbm.<namespace>.<node>`) with a [`SourceSync`] each
+//! (snapshots on first sight and after a gap), into a [`KvIndex`] where each peer is a node
+//! holder. A peer not heard from for three of its intervals is forgotten with its blocks; one
+//! whose pull failed is passed over for a while. [`Directory::best`] names the peer holding
+//! the longest leading run of a chain in host memory or on disk (a peer's remote store is not
+//! pulled through it), among those that registered the asked layout.
+//!
+//! The index is written outside the directory's lock: every method queues its index writes,
+//! and the caller applies them ([`Directory::take_writes`], [`IndexWrites::apply`]) after
+//! releasing it, so a large snapshot never holds up a lookup. Only one task writes, so the
+//! writes land in order. Peer ids are never reused, so a write queued for a forgotten peer
+//! cannot land on another.
 //!
 //! The stream names kvgate keys, not layouts: a peer publishes a key once every shard of one
 //! of its layouts holds it, so a pull may still find fewer blocks of the asked layout than the
-//! directory promised (another dtype or shard count); the puller then gets what there is.
+//! directory promised (a peer holding the key under another of its layouts); the puller then
+//! gets what there is.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use kv_events::envelope::EngineKind;
 use kv_events::snapshot::Snapshot;
@@ -35,6 +46,12 @@ pub struct Announce {
     pub block_size: u32,
     /// Where it serves pulls (`ip:port`).
     pub addr: SocketAddr,
+    /// How often it announces, milliseconds (0: unknown; the directory's TTL applies).
+    #[serde(default)]
+    pub interval_ms: u64,
+    /// The fingerprints of the layouts its connectors registered (at most 64).
+    #[serde(default)]
+    pub layouts: Vec<u64>,
 }
 
 /// Why an announce was not taken.
@@ -68,8 +85,11 @@ impl Announce {
 pub struct DirectoryConfig {
     /// Each peer stream's synchronisation.
     pub sync: SyncConfig,
-    /// A peer not announced within this long is forgotten.
+    /// A peer not announced within this long is forgotten, unless its announce gives its
+    /// interval (then three intervals).
     pub ttl: Millis,
+    /// How long a peer whose pull failed is passed over.
+    pub backoff: Millis,
     /// The most peers followed; announces of more are ignored.
     pub max_peers: usize,
     /// The most (block, peer) residencies kept.
@@ -81,6 +101,7 @@ impl Default for DirectoryConfig {
         Self {
             sync: SyncConfig::default(),
             ttl: Millis(30_000),
+            backoff: Millis(5_000),
             max_peers: 256,
             capacity: 16 << 20,
         }
@@ -88,13 +109,52 @@ impl Default for DirectoryConfig {
 }
 
 /// A snapshot to fetch: send its request to `node`'s snapshot subject and pass the reply
-/// back with `id` ([`Directory::snapshot_done`]).
+/// back ([`Directory::snapshot_done`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fetch {
     /// The peer.
     pub node: String,
+    /// The peer's incarnation (its id in the directory): a reply for a peer forgotten and
+    /// announced again meanwhile is dropped.
+    pub peer: u32,
     /// The request's id.
     pub id: u64,
+}
+
+/// One queued index write.
+#[derive(Debug)]
+enum IndexWrite {
+    Apply(Holder, Vec<kv_events::KvEvent>),
+    Replace(Holder, Snapshot),
+    Remove(Holder),
+}
+
+/// Index writes to apply, in order, after releasing the directory's lock.
+#[derive(Debug)]
+#[must_use = "the writes must be applied"]
+pub struct IndexWrites {
+    index: Arc<KvIndex>,
+    writes: Vec<IndexWrite>,
+}
+
+impl IndexWrites {
+    /// Applies them.
+    pub fn apply(self) {
+        for write in self.writes {
+            match write {
+                IndexWrite::Apply(holder, events) => self.index.apply(holder, &events),
+                IndexWrite::Replace(holder, snapshot) => {
+                    self.index.replace_source(holder, snapshot.entries());
+                }
+                IndexWrite::Remove(holder) => self.index.remove_source(holder),
+            }
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.writes.is_empty()
+    }
 }
 
 /// What an announce did.
@@ -137,6 +197,10 @@ struct Peer {
     id: u32,
     addr: SocketAddr,
     seen: Millis,
+    ttl: Millis,
+    layouts: Vec<u64>,
+    /// Passed over until then (a pull from it failed).
+    down_until: Millis,
     sync: SourceSync,
 }
 
@@ -147,10 +211,10 @@ pub struct Directory {
     model: String,
     block_size: u32,
     config: DirectoryConfig,
-    index: KvIndex,
+    index: Arc<KvIndex>,
     peers: HashMap<String, Peer>,
-    free: Vec<u32>,
     next_id: u32,
+    writes: Vec<IndexWrite>,
     stats: DirectoryStats,
 }
 
@@ -162,10 +226,10 @@ impl Directory {
         block_size: u32,
         config: DirectoryConfig,
     ) -> Result<Self, kv_index::ConfigError> {
-        let index = KvIndex::new(IndexConfig {
-            shards: 1,
+        let index = Arc::new(KvIndex::new(IndexConfig {
+            shards: 4,
             capacity: config.capacity,
-        })?;
+        })?);
         Ok(Self {
             node: node.to_owned(),
             model: model.to_owned(),
@@ -173,10 +237,19 @@ impl Directory {
             config,
             index,
             peers: HashMap::new(),
-            free: Vec::new(),
             next_id: 0,
+            writes: Vec::new(),
             stats: DirectoryStats::default(),
         })
+    }
+
+    /// The index writes queued since the last call, to apply once the directory's lock is
+    /// released.
+    pub fn take_writes(&mut self) -> IndexWrites {
+        IndexWrites {
+            index: Arc::clone(&self.index),
+            writes: std::mem::take(&mut self.writes),
+        }
     }
 
     /// Peers followed now.
@@ -202,18 +275,28 @@ impl Directory {
         if a.model != self.model || a.block_size != self.block_size {
             return Announced::Ignored("other model");
         }
+        let ttl = match a.interval_ms {
+            0 => self.config.ttl,
+            ms => Millis(ms.saturating_mul(3)),
+        };
+        let mut layouts = a.layouts.clone();
+        layouts.truncate(crate::store::MAX_LAYOUTS);
         if let Some(peer) = self.peers.get_mut(&a.node) {
             peer.seen = now;
-            peer.addr = a.addr;
+            peer.ttl = ttl;
+            peer.layouts = layouts;
+            if peer.addr != a.addr {
+                // A new address is a new pod: worth trying at once.
+                peer.addr = a.addr;
+                peer.down_until = Millis(0);
+            }
             return Announced::Renewed;
         }
-        if self.peers.len() >= self.config.max_peers {
+        if self.peers.len() >= self.config.max_peers || self.next_id > kv_index::MAX_ID {
             return Announced::Ignored("peer limit");
         }
-        let id = self.free.pop().unwrap_or_else(|| {
-            self.next_id += 1;
-            self.next_id - 1
-        });
+        let id = self.next_id;
+        self.next_id += 1;
         // Each peer is a candidate endpoint with no tiers of its own on its own node, so a
         // lookup's reach is the node's.
         if let (Ok(endpoint), Ok(node)) = (EndpointId::new(id), NodeId::new(id)) {
@@ -227,6 +310,9 @@ impl Directory {
                 id,
                 addr: a.addr,
                 seen: now,
+                ttl,
+                layouts,
+                down_until: Millis(0),
                 sync,
             },
         );
@@ -260,32 +346,42 @@ impl Directory {
         self.effects(&node, out)
     }
 
-    /// Takes the outcome of fetch `id` of `node`'s snapshot (`None`: it failed).
+    /// Takes the outcome of `fetch` (`None`: it failed).
     pub fn snapshot_done(
         &mut self,
-        node: &str,
-        id: u64,
+        fetch: &Fetch,
         snapshot: Option<Snapshot>,
         now: Millis,
     ) -> Vec<Fetch> {
-        let Some(peer) = self.peers.get_mut(node) else {
+        let Some(peer) = self
+            .peers
+            .get_mut(&fetch.node)
+            .filter(|p| p.id == fetch.peer)
+        else {
             return Vec::new();
         };
         let mut out = Vec::new();
         match snapshot {
-            Some(s) => peer.sync.on_snapshot(id, s, now, &mut out),
-            None => peer.sync.on_snapshot_failed(id, now, &mut out),
+            Some(s) => peer.sync.on_snapshot(fetch.id, s, now, &mut out),
+            None => peer.sync.on_snapshot_failed(fetch.id, now, &mut out),
         }
-        self.effects(node, out)
+        self.effects(&fetch.node, out)
+    }
+
+    /// A pull from `node` failed to reach it: it is passed over until the backoff has passed
+    /// (or it announces a new address).
+    pub fn unreachable(&mut self, node: &str, now: Millis) {
+        if let Some(peer) = self.peers.get_mut(node) {
+            peer.down_until = now.after(self.config.backoff);
+        }
     }
 
     /// Advances time: forgets peers silent past the TTL (returned), retries due snapshots.
     pub fn tick(&mut self, now: Millis) -> (Vec<Fetch>, Vec<String>) {
-        let ttl = self.config.ttl;
         let expired: Vec<String> = self
             .peers
             .iter()
-            .filter(|(_, p)| now.0.saturating_sub(p.seen.0) > ttl.0)
+            .filter(|(_, p)| now.0.saturating_sub(p.seen.0) > p.ttl.0)
             .map(|(n, _)| n.clone())
             .collect();
         for node in &expired {
@@ -323,47 +419,36 @@ impl Directory {
     pub fn forget(&mut self, node: &str) {
         if let Some(peer) = self.peers.remove(node) {
             if let Ok(n) = NodeId::new(peer.id) {
-                self.index.remove_source(Holder::Node(n));
+                self.writes.push(IndexWrite::Remove(Holder::Node(n)));
             }
             if let Ok(e) = EndpointId::new(peer.id) {
                 self.index.set_endpoint_node(e, None);
             }
-            self.free.push(peer.id);
         }
     }
 
-    /// The peer holding the longest leading run of `keys` in any tier (ties: the one with
-    /// more of it in host memory), or `None` when no peer holds the first block.
-    pub fn best(&self, keys: &[BlockKey]) -> Option<Holding> {
-        if keys.is_empty() || self.peers.is_empty() {
-            return None;
-        }
-        let candidates: Vec<EndpointId> = self
-            .peers
-            .values()
-            .filter_map(|p| EndpointId::new(p.id).ok())
-            .collect();
-        let best = self
-            .index
-            .find_matches(keys, &candidates)
-            .into_iter()
-            .filter(|o| o.reach(Tier::Remote) > 0)
-            .max_by_key(|o| {
-                (
-                    o.reach(Tier::Remote),
-                    o.reach(Tier::Host),
-                    std::cmp::Reverse(o.endpoint.get()),
-                )
-            })?;
-        let (node, peer) = self
+    /// The candidates [`Directory::best`] would ask the index about: peers that registered
+    /// `layout` (or did not say which layouts they have) and are not passed over at `now`.
+    pub fn candidates(&self, layout: u64, now: Millis) -> Candidates {
+        let peers = self
             .peers
             .iter()
-            .find(|(_, p)| p.id == best.endpoint.get())?;
-        Some(Holding {
-            node: node.clone(),
-            addr: peer.addr,
-            blocks: best.reach(Tier::Remote),
-        })
+            .filter(|(_, p)| p.down_until <= now)
+            .filter(|(_, p)| p.layouts.is_empty() || p.layouts.contains(&layout))
+            .filter_map(|(n, p)| Some((EndpointId::new(p.id).ok()?, n.clone(), p.addr)))
+            .collect();
+        Candidates {
+            index: Arc::clone(&self.index),
+            peers,
+        }
+    }
+
+    /// The peer holding the longest leading run of `keys` (under `layout`) in host memory or
+    /// on disk (ties: the one with more of it in host memory), or `None` when no peer holds
+    /// the first block. Reads the index under the directory's lock: [`Directory::candidates`]
+    /// then [`Candidates::best`] does not.
+    pub fn best(&self, keys: &[BlockKey], layout: u64, now: Millis) -> Option<Holding> {
+        self.candidates(layout, now).best(keys)
     }
 
     fn effects(&mut self, node: &str, out: Vec<Effect>) -> Vec<Fetch> {
@@ -378,10 +463,13 @@ impl Directory {
         let mut fetches = Vec::new();
         for effect in out {
             match effect {
-                Effect::Apply(events) => self.index.apply(holder, &events),
-                Effect::Replace(snapshot) => self.index.replace_source(holder, snapshot.entries()),
+                Effect::Apply(events) => self.writes.push(IndexWrite::Apply(holder, events)),
+                Effect::Replace(snapshot) => {
+                    self.writes.push(IndexWrite::Replace(holder, snapshot))
+                }
                 Effect::Request { id } => fetches.push(Fetch {
                     node: node.to_owned(),
+                    peer: holder_id(holder),
                     id,
                 }),
                 Effect::Gap | Effect::NewEpoch => self.stats.resyncs += 1,
@@ -390,6 +478,49 @@ impl Directory {
             }
         }
         fetches
+    }
+}
+
+fn holder_id(holder: Holder) -> u32 {
+    match holder {
+        Holder::Node(n) => n.get(),
+        Holder::Endpoint(e) => e.get(),
+    }
+}
+
+/// The peers a lookup may name, and the index to ask, taken under the directory's lock and
+/// read after it is released.
+#[derive(Debug)]
+pub struct Candidates {
+    index: Arc<KvIndex>,
+    peers: Vec<(EndpointId, String, SocketAddr)>,
+}
+
+impl Candidates {
+    /// See [`Directory::best`].
+    pub fn best(&self, keys: &[BlockKey]) -> Option<Holding> {
+        if keys.is_empty() || self.peers.is_empty() {
+            return None;
+        }
+        let ids: Vec<EndpointId> = self.peers.iter().map(|(e, _, _)| *e).collect();
+        let best = self
+            .index
+            .find_matches(keys, &ids)
+            .into_iter()
+            .filter(|o| o.reach(Tier::Disk) > 0)
+            .max_by_key(|o| {
+                (
+                    o.reach(Tier::Disk),
+                    o.reach(Tier::Host),
+                    std::cmp::Reverse(o.endpoint.get()),
+                )
+            })?;
+        let (_, node, addr) = self.peers.iter().find(|(e, _, _)| *e == best.endpoint)?;
+        Some(Holding {
+            node: node.clone(),
+            addr: *addr,
+            blocks: best.reach(Tier::Disk),
+        })
     }
 }
 

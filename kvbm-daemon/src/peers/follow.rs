@@ -18,8 +18,11 @@ use super::Peers;
 use super::directory::{Announce, Announced, Fetch};
 use crate::metrics::Metrics;
 
-/// The most keys a peer's snapshot may hold.
-const MAX_SNAPSHOT_KEYS: usize = 1 << 24;
+/// The most keys a peer's snapshot may hold (a node's host and disk tiers in blocks; 4 Mi is
+/// 256 TiB of 64-KiB blocks).
+const MAX_SNAPSHOT_KEYS: usize = 1 << 22;
+/// Snapshot fetches in flight at once (each may assemble up to [`MAX_SNAPSHOT_KEYS`] keys).
+const MAX_FETCHES: usize = 4;
 /// The least time between two of this node's announces made to greet new peers.
 const GREETING_GAP: Duration = Duration::from_millis(500);
 
@@ -28,7 +31,7 @@ const GREETING_GAP: Duration = Duration::from_millis(500);
 pub struct FollowConfig {
     /// The Kubernetes namespace of the subjects.
     pub namespace: String,
-    /// This node's announce.
+    /// This node's announce (its `layouts` are filled in at each announce).
     pub me: Announce,
     /// How often this node announces itself (peers forget it after their TTL).
     pub interval: Duration,
@@ -36,12 +39,14 @@ pub struct FollowConfig {
     pub snapshot_timeout: Duration,
 }
 
-/// Follows the peers until `shutdown`.
+/// Follows the peers until `shutdown`; `layouts` says which layouts this node's connectors
+/// registered (announced, so peers only ask for those).
 pub async fn follow(
     client: Client,
     peers: Arc<Peers>,
     config: FollowConfig,
     metrics: Arc<Metrics>,
+    layouts: impl Fn() -> Vec<u64>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), async_nats::SubscribeError> {
     let announce_subject = subject::kvbm_peers(&config.namespace);
@@ -51,10 +56,16 @@ pub async fn follow(
         .await?;
     tracing::info!(subject = %announce_subject, addr = %config.me.addr, "following peers");
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(Fetch, Option<Snapshot>)>();
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_FETCHES));
     let fetch = |f: Fetch| {
         let (client, tx, namespace) = (client.clone(), done_tx.clone(), config.namespace.clone());
         let (model, timeout) = (config.me.model.clone(), config.snapshot_timeout);
+        let in_flight = Arc::clone(&in_flight);
         tokio::spawn(async move {
+            // The deadline counts from the request, not from the wait for a turn.
+            let Ok(_turn) = in_flight.acquire_owned().await else {
+                return;
+            };
             let subject = subject::node_snapshot(&namespace, &f.node);
             let got = tokio::time::timeout(timeout, fetch_snapshot(&client, subject, model))
                 .await
@@ -63,15 +74,27 @@ pub async fn follow(
             let _ = tx.send((f, got));
         });
     };
-    let announce = Bytes::from(config.me.encode());
     let send_announce = |client: &Client| {
-        let (client, subject, body) = (client.clone(), announce_subject.clone(), announce.clone());
+        let mut me = config.me.clone();
+        me.layouts = layouts();
+        let body = Bytes::from(me.encode());
+        let (client, subject) = (client.clone(), announce_subject.clone());
         let metrics = Arc::clone(&metrics);
         async move {
             if client.publish(subject, body).await.is_ok() {
                 metrics.peer.announces.fetch_add(1, Ordering::Relaxed);
             }
         }
+    };
+    // Every directory change queues index writes, applied here after its lock is released.
+    let change = |f: &mut dyn FnMut(&mut super::directory::Directory) -> Vec<Fetch>| {
+        let (fetches, writes) = {
+            let mut dir = peers.directory();
+            let fetches = f(&mut dir);
+            (fetches, dir.take_writes())
+        };
+        writes.apply();
+        fetches
     };
     send_announce(&client).await;
     let mut last_announce = tokio::time::Instant::now();
@@ -86,14 +109,16 @@ pub async fn follow(
             Some(msg) = announces.next() => match Announce::decode(&msg.payload) {
                 Ok(a) => {
                     let now = peers.now();
-                    match peers.directory().announced(&a, now) {
-                        Announced::New(f) => {
+                    let mut fetches = Vec::new();
+                    change(&mut |dir| {
+                        if let Announced::New(f) = dir.announced(&a, now) {
                             tracing::info!(node = %a.node, addr = %a.addr, "peer found");
                             owe_greeting = true;
-                            vec![f]
+                            fetches.push(f);
                         }
-                        Announced::Renewed | Announced::Ignored(_) => Vec::new(),
-                    }
+                        Vec::new()
+                    });
+                    fetches
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "announce refused");
@@ -103,7 +128,8 @@ pub async fn follow(
             Some(msg) = envelopes.next() => match Envelope::decode(&msg.payload, &EnvelopeLimits::default()) {
                 Ok(e) => {
                     let now = peers.now();
-                    peers.directory().envelope(e, now)
+                    let mut e = Some(e);
+                    change(&mut |dir| e.take().map_or_else(Vec::new, |e| dir.envelope(e, now)))
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "peer envelope refused");
@@ -115,7 +141,8 @@ pub async fn follow(
                     tracing::debug!(node = %f.node, "peer snapshot not fetched");
                 }
                 let now = peers.now();
-                peers.directory().snapshot_done(&f.node, f.id, got, now)
+                let mut got = Some(got);
+                change(&mut |dir| dir.snapshot_done(&f, got.take().flatten(), now))
             }
             _ = tick.tick() => {
                 let now = peers.now();
@@ -123,12 +150,16 @@ pub async fn follow(
                 // The connection came back: every stream may have missed envelopes.
                 let up = metrics.nats_connected.load(Ordering::Relaxed);
                 if up && !connected {
-                    fetches.extend(peers.directory().resync(now));
+                    fetches.extend(change(&mut |dir| dir.resync(now)));
                     owe_greeting = true;
                 }
                 connected = up;
-                let (due, expired) = peers.directory().tick(now);
-                fetches.extend(due);
+                let mut expired = Vec::new();
+                fetches.extend(change(&mut |dir| {
+                    let (due, gone) = dir.tick(now);
+                    expired = gone;
+                    due
+                }));
                 for node in expired {
                     tracing::info!(%node, "peer forgotten: no announce within the TTL");
                 }

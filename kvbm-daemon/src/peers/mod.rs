@@ -21,7 +21,6 @@ pub mod wire;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use bytes::Bytes;
 use kv_events::BlockKey;
 use kv_index::Millis;
 
@@ -61,18 +60,31 @@ impl Peers {
         Millis(u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX))
     }
 
-    /// The peer holding the longest leading run of `keys`.
-    pub fn best(&self, keys: &[BlockKey]) -> Option<Holding> {
-        self.directory().best(keys)
+    /// The peer holding the longest leading run of `keys` under the layout with fingerprint
+    /// `layout` (the index is read after the directory's lock is released).
+    pub fn best(&self, keys: &[BlockKey], layout: u64) -> Option<Holding> {
+        if keys.is_empty() {
+            return None;
+        }
+        let now = self.now();
+        let candidates = self.directory().candidates(layout, now);
+        candidates.best(keys)
     }
 
-    /// The leading blocks of `keys` that `holding`'s peer has (at most one answer's worth).
+    /// A pull from `holding`'s peer could not reach it: pass it over for a while.
+    pub fn unreachable(&self, holding: &Holding) {
+        let now = self.now();
+        self.directory().unreachable(&holding.node, now);
+    }
+
+    /// The leading blocks of `keys` that `holding`'s peer has (at most one answer's worth),
+    /// and the key before them in its chain.
     pub async fn pull(
         &self,
         holding: &Holding,
         layout: &Layout,
         keys: &[BlockKey],
-    ) -> Result<Vec<Bytes>, ConnError> {
-        pull::pull(&self.pull, holding.addr, layout, keys).await
+    ) -> Result<pull::Pulled, ConnError> {
+        pull::pull(&self.pull, &holding.node, holding.addr, layout, keys).await
     }
 }

@@ -14,6 +14,11 @@ use super::conn::{self, ConnError};
 use super::wire::{self, Frame};
 use crate::store::Layout;
 
+/// The longest a connection attempt may take (within the pull's deadline): a peer that died
+/// leaves an address that answers nothing, and the pull should give up long before the
+/// connector's own call times out.
+const MAX_CONNECT: Duration = Duration::from_millis(500);
+
 /// Who pulls, and how long a pull may take.
 #[derive(Debug, Clone)]
 pub struct PullConfig {
@@ -25,24 +30,31 @@ pub struct PullConfig {
     pub timeout: Duration,
 }
 
-/// The leading blocks of `keys` (under `layout`) the peer at `addr` holds, at most one
-/// answer's worth; each checked against its sum and size.
+/// What a pull brought: the key before the first block in the holder's chain, and the
+/// leading blocks of the keys asked (perhaps none).
+pub type Pulled = (Option<BlockKey>, Vec<Bytes>);
+
+/// The leading blocks of `keys` (under `layout`) that the peer `node` at `addr` holds, at
+/// most one answer's worth; each checked against its sum and size.
 pub async fn pull(
     config: &PullConfig,
+    node: &str,
     addr: SocketAddr,
     layout: &Layout,
     keys: &[BlockKey],
-) -> Result<Vec<Bytes>, ConnError> {
-    conn::within(config.timeout, exchange(config, addr, layout, keys)).await
+) -> Result<Pulled, ConnError> {
+    conn::within(config.timeout, exchange(config, node, addr, layout, keys)).await
 }
 
 async fn exchange(
     config: &PullConfig,
+    node: &str,
     addr: SocketAddr,
     layout: &Layout,
     keys: &[BlockKey],
-) -> Result<Vec<Bytes>, ConnError> {
-    let mut stream = TcpStream::connect(addr).await?;
+) -> Result<Pulled, ConnError> {
+    let connect = config.timeout.min(MAX_CONNECT);
+    let mut stream = conn::within(connect, async { Ok(TcpStream::connect(addr).await?) }).await?;
     stream.set_nodelay(true)?;
     let Frame::Hello {
         node: server,
@@ -51,9 +63,15 @@ async fn exchange(
     else {
         return Err(ConnError::Protocol("expected hello".into()));
     };
+    if server != node || nonce.len() != auth::NONCE_BYTES {
+        return Err(ConnError::Protocol(format!(
+            "{addr} answered as {server:?}, not the peer {node:?} that announced it"
+        )));
+    }
+    let at = addr.to_string();
     let mine =
         auth::nonce().ok_or_else(|| ConnError::Protocol("no random nonce available".into()))?;
-    let mac = config.secret.mac(Role::Client, &nonce, &config.node);
+    let mac = config.secret.mac(Role::Client, &nonce, &config.node, &at);
     conn::send(
         &mut stream,
         &Frame::Auth {
@@ -64,7 +82,10 @@ async fn exchange(
     )
     .await?;
     match conn::recv(&mut stream).await? {
-        Frame::Welcome { mac } if config.secret.verify(Role::Server, &mine, &server, &mac) => {}
+        Frame::Welcome { mac }
+            if config
+                .secret
+                .verify(Role::Server, &mine, &server, &at, &mac) => {}
         Frame::Welcome { .. } => {
             return Err(ConnError::Protocol(format!(
                 "peer {server} at {addr} did not prove it holds the secret"
@@ -82,8 +103,12 @@ async fn exchange(
         },
     )
     .await?;
-    let (block_bytes, sums) = match conn::recv(&mut stream).await? {
-        Frame::Blocks { block_bytes, sums } => (block_bytes, sums),
+    let (block_bytes, sums, parent) = match conn::recv(&mut stream).await? {
+        Frame::Blocks {
+            block_bytes,
+            sums,
+            parent,
+        } => (block_bytes, sums, parent),
         Frame::Refused { message } => return Err(ConnError::Protocol(message)),
         _ => return Err(ConnError::Protocol("expected blocks".into())),
     };
@@ -109,5 +134,5 @@ async fn exchange(
         }
         blocks.push(block);
     }
-    Ok(blocks)
+    Ok((parent.map(BlockKey), blocks))
 }

@@ -18,6 +18,8 @@ use crate::service::Service;
 pub struct ServeConfig {
     /// This node.
     pub node: String,
+    /// The address this node advertises (what a client proves it dialed).
+    pub advertise: std::net::SocketAddr,
     /// The mesh's secret.
     pub secret: Arc<Secret>,
     /// Connections served at once; more are closed at once.
@@ -26,6 +28,19 @@ pub struct ServeConfig {
     pub io_timeout: Duration,
     /// A connection with no request for this long is closed.
     pub idle_timeout: Duration,
+}
+
+/// The longest each handshake step may take: a connection that has not proved itself holds
+/// one of the connection slots only this long.
+const MAX_HANDSHAKE_STEP: Duration = Duration::from_secs(1);
+
+/// Counts a connection while it lives (also when its task panics).
+struct Slot(Arc<crate::metrics::Metrics>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.peer.connections.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Accepts peer connections on `listener` until `shutdown`.
@@ -56,14 +71,14 @@ pub async fn serve(
             continue;
         }
         peer.connections.fetch_add(1, Ordering::Relaxed);
+        let slot = Slot(Arc::clone(&metrics));
         let (service, config) = (Arc::clone(&service), config.clone());
         tokio::spawn(async move {
-            let metrics = Arc::clone(service.metrics());
+            let _slot = slot;
             match connection(stream, &service, &config).await {
                 Ok(()) => tracing::debug!(%from, "peer connection closed"),
                 Err(e) => tracing::info!(%from, error = %e, "peer connection ended"),
             }
-            metrics.peer.connections.fetch_sub(1, Ordering::Relaxed);
         });
     }
 }
@@ -76,32 +91,36 @@ async fn connection(
     stream.set_nodelay(true)?;
     let peer = &service.metrics().peer;
     let io = config.io_timeout;
+    let step = io.min(MAX_HANDSHAKE_STEP);
+    let at = config.advertise.to_string();
     let nonce = auth::nonce().ok_or_else(|| ConnError::Protocol("no random nonce".into()))?;
     let hello = Frame::Hello {
         node: config.node.clone(),
         nonce: nonce.clone(),
     };
-    conn::within(io, conn::send(&mut stream, &hello)).await?;
-    let (client, theirs, mac) = match conn::within(io, conn::recv(&mut stream)).await? {
+    conn::within(step, conn::send(&mut stream, &hello)).await?;
+    let (client, theirs, mac) = match conn::within(step, conn::recv(&mut stream)).await? {
         Frame::Auth { node, nonce, mac } => (node, nonce, mac),
         _ => return Err(ConnError::Protocol("expected auth".into())),
     };
     if theirs.len() != auth::NONCE_BYTES
-        || !config.secret.verify(Role::Client, &nonce, &client, &mac)
+        || !config
+            .secret
+            .verify(Role::Client, &nonce, &client, &at, &mac)
     {
         peer.auth_failures.fetch_add(1, Ordering::Relaxed);
         let refused = Frame::Refused {
             message: "authentication failed".into(),
         };
-        let _ = conn::within(io, conn::send(&mut stream, &refused)).await;
+        let _ = conn::within(step, conn::send(&mut stream, &refused)).await;
         return Err(ConnError::Protocol(format!(
-            "{client:?} failed authentication"
+            "{client:?} failed authentication (another secret, or it dialed another address than {at})"
         )));
     }
     let welcome = Frame::Welcome {
-        mac: config.secret.mac(Role::Server, &theirs, &config.node),
+        mac: config.secret.mac(Role::Server, &theirs, &config.node, &at),
     };
-    conn::within(io, conn::send(&mut stream, &welcome)).await?;
+    conn::within(step, conn::send(&mut stream, &welcome)).await?;
     loop {
         let frame = match tokio::time::timeout(config.idle_timeout, conn::recv(&mut stream)).await {
             Err(_) => return Ok(()),
@@ -114,7 +133,7 @@ async fn connection(
             return Err(ConnError::Protocol("expected pull".into()));
         };
         let keys: Vec<kv_events::BlockKey> = keys.into_iter().map(kv_events::BlockKey).collect();
-        let blocks = match service.serve_pull(&layout, &keys).await {
+        let (parent, blocks) = match service.serve_pull(&layout, &keys).await {
             Ok(b) => b,
             Err(e) => {
                 let refused = Frame::Refused {
@@ -127,6 +146,7 @@ async fn connection(
         let header = Frame::Blocks {
             block_bytes: layout.block_bytes,
             sums: blocks.iter().map(|b| wire::sum(b)).collect(),
+            parent: parent.map(|k| k.0),
         };
         let bytes: u64 = blocks.iter().map(|b| b.len() as u64).sum();
         conn::within(io, async {

@@ -59,6 +59,9 @@ pub enum Frame {
         block_bytes: u64,
         /// Each block's xxh3-64, in order.
         sums: Vec<u64>,
+        /// The key before the first block in its chain, as the server stored it.
+        #[serde(default)]
+        parent: Option<u64>,
     },
     /// The request or the handshake was refused; the server closes the connection.
     Refused {
@@ -93,9 +96,9 @@ pub fn decode(body: &[u8]) -> Result<Frame, WireError> {
         Frame::Pull { keys, .. } if keys.len() > MAX_BLOCKS => {
             Err(WireError::TooManyKeys(keys.len()))
         }
-        Frame::Blocks { block_bytes, sums }
-            if (sums.len() as u64).saturating_mul(*block_bytes) > MAX_ANSWER_BYTES =>
-        {
+        Frame::Blocks {
+            block_bytes, sums, ..
+        } if (sums.len() as u64).saturating_mul(*block_bytes) > MAX_ANSWER_BYTES => {
             Err(WireError::TooLarge {
                 blocks: sums.len(),
                 block_bytes: *block_bytes,
@@ -161,6 +164,7 @@ mod tests {
             Frame::Blocks {
                 block_bytes: 4096,
                 sums: vec![7, 8],
+                parent: Some(3),
             },
             Frame::Refused {
                 message: "no".into(),
@@ -187,6 +191,7 @@ mod tests {
         let big = Frame::Blocks {
             block_bytes: MAX_ANSWER_BYTES,
             sums: vec![1, 2],
+            parent: None,
         };
         assert!(matches!(round_trip(&big), Err(WireError::TooLarge { .. })));
         assert!(decode(b"\x93\x01\x02\x03").is_err());

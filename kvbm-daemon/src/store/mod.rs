@@ -1033,6 +1033,18 @@ impl BlockStore {
         }
     }
 
+    /// The key before `id` in its chain, as the block was stored (`None` for a chain's first
+    /// block, or a block the store does not hold).
+    pub fn parent(&self, id: &BlockId) -> Option<BlockKey> {
+        if let Some(b) = self.host.get(id) {
+            return b.value.parent;
+        }
+        self.lower
+            .iter()
+            .find_map(|l| l.set.get(id))
+            .and_then(|r| r.value)
+    }
+
     /// The keys of `layout` resident in `tier`, least recently used first (for snapshots).
     pub fn resident(&self, layout: LayoutId, tier: Tier) -> Vec<BlockKey> {
         let of = |id: BlockId| (id.layout == layout).then_some(id.key);

@@ -78,6 +78,32 @@ pub fn wait_port(port: u16, what: &str) {
     });
 }
 
+/// The daemon's `/metrics` page on `port` (its status must be 200).
+pub async fn metrics(port: u16) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: kvbm\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(
+        text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200"),
+        "{text}"
+    );
+    text.split_once("\r\n\r\n").unwrap().1.to_owned()
+}
+
+/// The value of the first line of `text` starting with `line_prefix`.
+pub fn metric(text: &str, line_prefix: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_prefix)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {line_prefix} in metrics"))
+}
+
 /// A `redis-server` on `port` with no persistence, optionally requiring `password`.
 pub fn redis_server(port: u16, password: Option<&str>) -> Proc {
     let bin =
