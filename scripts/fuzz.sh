@@ -137,8 +137,14 @@ answers = [{"op": "registered", "layout_id": 0},
            {"op": "found", "host": 2, "any": 2, "pinned": 2},
            {"op": "onboarded", "blocks": 2, "from_host": 2, "from_disk": 0, "from_remote": 0},
            {"op": "error", "code": "slot", "message": "outside"}]
-seed("connector_frames", [b"".join(map(frame, session)), b"".join(map(frame, answers))]
-     + [frame(m) for m in session + answers])
+peer = [{"op": "hello", "node": "a", "nonce": [7] * 32},
+        {"op": "auth", "node": "b", "nonce": [9] * 32, "mac": [1] * 32},
+        {"op": "welcome", "mac": [2] * 32}, {"op": "pull", "layout": layout, "keys": [11, 12]},
+        {"op": "blocks", "block_bytes": 4096, "sums": [5, 6], "parent": 10},
+        {"op": "refused", "message": "no"}]
+seed("connector_frames", [b"".join(map(frame, session)), b"".join(map(frame, answers)),
+                          b"".join(map(frame, peer))]
+     + [frame(m) for m in session + answers + peer])
 seed("ext_proc", [])
 PY
 

@@ -4,7 +4,9 @@
 //! Each body is decoded as a request (`decode_request`, as the daemon does) and as a response
 //! (`decode_response`, as the reference connector does); a registration's layout is validated
 //! and fingerprinted, and every slot is checked against a segment of the registered size (a
-//! real memfd, as a connector passes).
+//! real memfd, as a connector passes). The peer protocol shares the framing: each body is also
+//! decoded as a peer frame (`peers::wire::decode`, as both ends of a pull do) and as a peer
+//! announce (`Announce::decode`).
 //!
 //! Asserts, besides "no panic":
 //! - `body_len` accepts exactly the lengths up to `MAX_FRAME_BYTES`;
@@ -12,7 +14,9 @@
 //! - every decoded request and response re-encodes as one frame whose header is its body's
 //!   length, and that body decodes to the same message;
 //! - a valid layout's fingerprint is stable, and its group is the fingerprint of its shard 0;
-//! - a slot passes the segment check exactly when it lies inside the segment.
+//! - a slot passes the segment check exactly when it lies inside the segment;
+//! - a decoded peer frame keeps its bounds (a pull's keys, an answer's bytes) and re-encodes
+//!   to itself; so does a decoded announce.
 #![no_main]
 
 use std::sync::OnceLock;
@@ -21,6 +25,8 @@ use kvgate_kvbm::protocol::{
     self, MAX_BLOCKS, MAX_FRAME_BYTES, Request, Response, Slot, body_len, decode_request,
     decode_response,
 };
+use kvgate_kvbm::peers::directory::Announce;
+use kvgate_kvbm::peers::wire;
 use kvgate_kvbm::segment::{self, Segment};
 use kvgate_kvbm::store::Layout;
 use libfuzzer_sys::fuzz_target;
@@ -94,6 +100,19 @@ fn check_request(request: &Request, block_bytes: &mut u64) {
     }
 }
 
+fn check_peer(frame: &wire::Frame) {
+    match frame {
+        wire::Frame::Pull { keys, .. } => assert!(keys.len() <= MAX_BLOCKS),
+        wire::Frame::Blocks {
+            block_bytes, sums, ..
+        } => assert!((sums.len() as u64).saturating_mul(*block_bytes) <= wire::MAX_ANSWER_BYTES),
+        _ => {}
+    }
+    let body = reframe(frame);
+    let again = wire::decode(&body).expect("a re-encoded peer frame decodes");
+    assert_eq!(&again, frame);
+}
+
 fn check_response(response: &Response) {
     let body = reframe(response);
     let again = decode_response(&body).expect("a re-encoded response decodes");
@@ -124,6 +143,12 @@ fuzz_target!(|data: &[u8]| {
         }
         if let Ok(response) = decode_response(body) {
             check_response(&response);
+        }
+        if let Ok(frame) = wire::decode(body) {
+            check_peer(&frame);
+        }
+        if let Ok(announce) = Announce::decode(body) {
+            assert_eq!(Announce::decode(&announce.encode()).ok(), Some(announce));
         }
         rest = next;
     }
