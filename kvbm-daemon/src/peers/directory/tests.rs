@@ -136,6 +136,8 @@ enum Op {
     Lose(usize, Vec<u64>),
     Restart(usize),
     Unreachable(usize),
+    /// Every snapshot request in flight fails (the peer's answer lost or refused).
+    FailFetches,
     Advance(u64),
     /// Keys, and the layout asked for.
     Best(Vec<u64>, u64),
@@ -153,6 +155,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (peer.clone(), keys.clone()).prop_map(|(p, k)| Op::Lose(p, k)),
         1 => peer.clone().prop_map(Op::Restart),
         1 => peer.prop_map(Op::Unreachable),
+        1 => Just(Op::FailFetches),
         1 => (0u64..20_000).prop_map(Op::Advance),
         4 => (proptest::collection::vec(0u64..12, 1..8), 1u64..3).prop_map(|(k, l)| Op::Best(k, l)),
     ]
@@ -203,6 +206,25 @@ fn answer(
     Ok(())
 }
 
+/// Answers every fetch, and retries every failed one (backoff is zero here), until the
+/// directory asks for nothing more.
+fn settle(
+    dir: &mut Directory,
+    pending: &mut Vec<Fetch>,
+    publishers: &[Publisher],
+    now: u64,
+) -> Result<(), TestCaseError> {
+    loop {
+        answer(dir, pending, publishers, now)?;
+        let (retries, expired) = change(dir, |d| d.tick(Millis(now)));
+        prop_assert!(expired.is_empty(), "time did not move");
+        if retries.is_empty() {
+            return Ok(());
+        }
+        pending.extend(retries);
+    }
+}
+
 const TTL: u64 = 30_000;
 const BACKOFF: u64 = 5_000;
 
@@ -214,6 +236,12 @@ proptest! {
         let config = DirectoryConfig {
             ttl: Millis(TTL),
             backoff: Millis(BACKOFF),
+            // A failed snapshot is asked again at the next tick.
+            sync: kv_sync::SyncConfig {
+                retry_initial: Millis(0),
+                retry_max: Millis(0),
+                ..kv_sync::SyncConfig::default()
+            },
             ..DirectoryConfig::default()
         };
         let mut dir = Directory::new("me", MODEL, 16, config).unwrap();
@@ -277,9 +305,15 @@ proptest! {
                         k.down_until = now + BACKOFF;
                     }
                 }
+                Op::FailFetches => {
+                    for f in std::mem::take(&mut pending) {
+                        let more = change(&mut dir, |d| d.snapshot_done(&f, None, Millis(now)));
+                        pending.extend(more);
+                    }
+                }
                 Op::Advance(ms) => {
-                    // Snapshot replies come well within their timeout.
-                    answer(&mut dir, &mut pending, &publishers, now)?;
+                    // Snapshot replies (or retries) come well within their timeout.
+                    settle(&mut dir, &mut pending, &publishers, now)?;
                     now += ms;
                     let (fetches, expired) = change(&mut dir, |d| d.tick(Millis(now)));
                     pending.extend(fetches);
@@ -293,9 +327,9 @@ proptest! {
                     prop_assert_eq!(dir.peers(), live.len());
                 }
                 Op::Best(keys, layout) => {
-                    // Every fetch is answered before the question, as a live receiver would be
-                    // by then.
-                    answer(&mut dir, &mut pending, &publishers, now)?;
+                    // Every fetch is answered (failed ones after their retry) before the
+                    // question, as a live receiver would be by then.
+                    settle(&mut dir, &mut pending, &publishers, now)?;
                     let keys: Vec<BlockKey> = keys.iter().map(|k| BlockKey(*k)).collect();
                     let run = |p: usize| keys.iter().take_while(|k| publishers[p].pullable(k.0)).count();
                     let eligible = |k: &Known| {
