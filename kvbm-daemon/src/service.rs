@@ -476,9 +476,7 @@ impl Service {
             Ok(answer) => answer,
             Err(e) => {
                 self.metrics.peer.pull_failed(e.metric_label());
-                if e.unreachable() {
-                    peers.unreachable(&holding);
-                }
+                peers.failed(&holding);
                 tracing::warn!(
                     peer = %holding.node, addr = %holding.addr, error = %e,
                     "pull from a peer failed; the engine computes those blocks"

@@ -28,12 +28,6 @@ pub enum ConnError {
 }
 
 impl ConnError {
-    /// Whether the peer could not be reached or did not answer in time (rather than
-    /// answering wrongly): it is then passed over for a while.
-    pub fn unreachable(&self) -> bool {
-        matches!(self, ConnError::Io(_) | ConnError::Timeout(_))
-    }
-
     /// A bounded label for metrics.
     pub fn metric_label(&self) -> &'static str {
         match self {

@@ -6,7 +6,7 @@
 //! of every announced peer (`kvgate.kvbm.<namespace>.<node>`) with a [`SourceSync`] each
 //! (snapshots on first sight and after a gap), into a [`KvIndex`] where each peer is a node
 //! holder. A peer not heard from for three of its intervals is forgotten with its blocks; one
-//! whose pull failed is passed over for a while. [`Directory::best`] names the peer holding
+//! whose pull failed (whatever the reason) is passed over for a while. [`Directory::best`] names the peer holding
 //! the longest leading run of a chain in host memory or on disk (a peer's remote store is not
 //! pulled through it), among those that registered the asked layout.
 //!
@@ -368,9 +368,11 @@ impl Directory {
         self.effects(&fetch.node, out)
     }
 
-    /// A pull from `node` failed to reach it: it is passed over until the backoff has passed
-    /// (or it announces a new address).
-    pub fn unreachable(&mut self, node: &str, now: Millis) {
+    /// A pull from `node` failed (it could not be reached, did not answer in time, refused,
+    /// failed its proof or sent a damaged block): it is passed over until the backoff has
+    /// passed (or it announces a new address), so one bad peer costs one failed pull, not one
+    /// per onboard chunk.
+    pub fn failed(&mut self, node: &str, now: Millis) {
         if let Some(peer) = self.peers.get_mut(node) {
             peer.down_until = now.after(self.config.backoff);
         }

@@ -86,11 +86,15 @@ pub async fn follow(
             }
         }
     };
-    // Every directory change queues index writes, applied here after its lock is released.
+    // Every directory change queues index writes, applied here after its lock is released;
+    // the gauges follow each change.
     let change = |f: &mut dyn FnMut(&mut super::directory::Directory) -> Vec<Fetch>| {
         let (fetches, writes) = {
             let mut dir = peers.directory();
             let fetches = f(&mut dir);
+            metrics
+                .peer
+                .publish_directory(dir.peers(), dir.stale(), dir.stats());
             (fetches, dir.take_writes())
         };
         writes.apply();
@@ -169,8 +173,6 @@ pub async fn follow(
                     last_announce = tokio::time::Instant::now();
                     owe_greeting = false;
                 }
-                let dir = peers.directory();
-                metrics.peer.publish_directory(dir.peers(), dir.stale(), dir.stats());
                 fetches
             }
         };

@@ -71,10 +71,10 @@ impl Peers {
         candidates.best(keys)
     }
 
-    /// A pull from `holding`'s peer could not reach it: pass it over for a while.
-    pub fn unreachable(&self, holding: &Holding) {
+    /// A pull from `holding`'s peer failed: pass it over for a while.
+    pub fn failed(&self, holding: &Holding) {
         let now = self.now();
-        self.directory().unreachable(&holding.node, now);
+        self.directory().failed(&holding.node, now);
     }
 
     /// The leading blocks of `keys` that `holding`'s peer has (at most one answer's worth),

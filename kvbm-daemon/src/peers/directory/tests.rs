@@ -135,7 +135,7 @@ enum Op {
     /// An envelope of this peer is lost on the way.
     Lose(usize, Vec<u64>),
     Restart(usize),
-    Unreachable(usize),
+    PullFailed(usize),
     /// Every snapshot request in flight fails (the peer's answer lost or refused).
     FailFetches,
     Advance(u64),
@@ -154,7 +154,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => peer.clone().prop_map(Op::Clear),
         1 => (peer.clone(), keys.clone()).prop_map(|(p, k)| Op::Lose(p, k)),
         1 => peer.clone().prop_map(Op::Restart),
-        1 => peer.prop_map(Op::Unreachable),
+        1 => peer.prop_map(Op::PullFailed),
         1 => Just(Op::FailFetches),
         1 => (0u64..20_000).prop_map(Op::Advance),
         4 => (proptest::collection::vec(0u64..12, 1..8), 1u64..3).prop_map(|(k, l)| Op::Best(k, l)),
@@ -299,8 +299,8 @@ proptest! {
                     let e = publisher.envelope(NODES[p], vec![KvEvent::Cleared { tier: None }]);
                     pending.extend(change(&mut dir, |d| d.envelope(e, Millis(now))));
                 }
-                Op::Unreachable(p) => {
-                    change(&mut dir, |d| d.unreachable(NODES[p], Millis(now)));
+                Op::PullFailed(p) => {
+                    change(&mut dir, |d| d.failed(NODES[p], Millis(now)));
                     if let Some(k) = live.get_mut(&p) {
                         k.down_until = now + BACKOFF;
                     }
