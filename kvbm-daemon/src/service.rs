@@ -398,7 +398,13 @@ impl Service {
         let (local, pinned, fingerprint) = {
             let mut state = self.open()?;
             let found = state.store.lookup(layout, keys)?;
-            let fingerprint = state.store.layout(layout).map(Layout::fingerprint);
+            // Only a miss with peers attached asks them (the fingerprint hashes the layout).
+            let ask_peers = self.peers.get().is_some() && (found.any as usize) < keys.len();
+            let fingerprint = state
+                .store
+                .layout(layout)
+                .filter(|_| ask_peers)
+                .map(Layout::fingerprint);
             let pinned = if pin.is_zero() {
                 0
             } else {
@@ -460,7 +466,10 @@ impl Service {
             .into_iter()
             .map(|(d, t)| (d, Origin::from(t)))
             .collect();
-        let (Some(peers), Some(rest)) = (self.peers.get(), keys.get(out.len()..)) else {
+        let (Some(peers), Some(rest)) = (
+            self.peers.get(),
+            keys.get(out.len()..).filter(|r| !r.is_empty()),
+        ) else {
             return Ok(out);
         };
         let described = self.open()?.store.layout(layout).cloned();

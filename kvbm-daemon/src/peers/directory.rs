@@ -150,11 +150,6 @@ impl IndexWrites {
             }
         }
     }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.writes.is_empty()
-    }
 }
 
 /// What an announce did.
