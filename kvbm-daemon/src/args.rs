@@ -163,6 +163,32 @@ pub struct Args {
     /// heard from for three intervals.
     #[arg(long, default_value_t = 10)]
     pub peer_announce_interval_s: u64,
+    /// How answers to pulls travel: `tcp`, on the pull connection; or `nixl`, read by the
+    /// puller through NIXL's UCX backend (RDMA where the nodes have it), each answer falling
+    /// back to the connection if that read fails. Both ends must say `nixl` for it to be used.
+    /// `nixl` needs NIXL's `libnixl_capi.so` (see `--nixl-library`); without it the daemon
+    /// does not start.
+    #[arg(long, value_enum, default_value_t = PeerFabric::Tcp, env = "KVGATE_PEER_FABRIC")]
+    pub peer_fabric: PeerFabric,
+    /// Where NIXL's `libnixl_capi.so` is, for `--peer-fabric nixl`; found through the library
+    /// search path (`LD_LIBRARY_PATH`, the loader's cache) when absent. NIXL loads its plugins
+    /// from `plugins/` beside `libnixl.so`, or from `NIXL_PLUGIN_DIR`.
+    #[arg(long)]
+    pub nixl_library: Option<PathBuf>,
+    /// Buffers of 64 MiB (the largest answer) NIXL transfers use, each registered with NIXL
+    /// once, when first needed (under RDMA that pins its pages), and reused: at most this many
+    /// answers are served or read through NIXL at once; more go on the connection.
+    #[arg(long, default_value_t = 4)]
+    pub nixl_buffers: usize,
+}
+
+/// How answers to pulls travel between block managers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PeerFabric {
+    /// On the pull connection.
+    Tcp,
+    /// NIXL READs (UCX), the connection as fallback.
+    Nixl,
 }
 
 impl Args {
@@ -239,9 +265,18 @@ impl Args {
     }
 
     fn validate_peers(&self) -> Result<(), String> {
+        if self.nixl_library.is_some() && self.peer_fabric != PeerFabric::Nixl {
+            return Err("--nixl-library needs --peer-fabric nixl".into());
+        }
+        if self.nixl_buffers == 0 {
+            return Err("--nixl-buffers must be positive".into());
+        }
         let Some(listen) = self.peer_listen else {
             if self.peer_advertise_ip.is_some() || self.peer_secret_file.is_some() {
                 return Err("--peer-advertise-ip and --peer-secret-file need --peer-listen".into());
+            }
+            if self.peer_fabric != PeerFabric::Tcp {
+                return Err("--peer-fabric nixl needs --peer-listen (pulls between nodes)".into());
             }
             return Ok(());
         };

@@ -36,6 +36,11 @@ impl Drop for Node {
 
 /// A daemon for `node`, pulling and serving with the secret in `secret`.
 fn node(node: &str, nats_url: &str, secret: &std::path::Path) -> Node {
+    node_with(node, nats_url, secret, &[])
+}
+
+/// As [`node`], with `extra` arguments.
+fn node_with(node: &str, nats_url: &str, secret: &std::path::Path, extra: &[String]) -> Node {
     let dir = std::env::temp_dir().join(format!(
         "kvgate-kvbm-peers-{}-{node}-{}",
         std::process::id(),
@@ -78,6 +83,7 @@ fn node(node: &str, nats_url: &str, secret: &std::path::Path) -> Node {
         "--peer-secret-file".into(),
         secret.display().to_string(),
     ])
+    .chain(extra.iter().cloned())
     .collect();
     let proc = Proc::spawn(env!("CARGO_BIN_EXE_kvgate-kvbm"), &args);
     wait_port(metrics_port, "kvgate-kvbm");
@@ -224,6 +230,7 @@ fn skip_the_proof() -> Vec<u8> {
         &Frame::Pull {
             layout: layout(),
             keys: vec![1, 2],
+            fabrics: Vec::new(),
         },
         &mut out,
     );
@@ -408,6 +415,114 @@ async fn a_node_without_the_secret_pulls_nothing_and_a_dead_peer_is_forgotten() 
     assert_eq!(
         metric(&metrics(b.metrics_port).await, "kvgate_kvbm_peers "),
         1.0
+    );
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// NIXL's C API, which scripts/bootstrap.sh unpacks (from the `nixl-cu12` wheel) and
+/// scripts/test.sh names; the NIXL test fails without it.
+fn nixl_library() -> String {
+    std::env::var("KVGATE_TEST_NIXL_LIBRARY").unwrap_or_else(|_| {
+        panic!("KVGATE_TEST_NIXL_LIBRARY is not set: run scripts/bootstrap.sh, then the tests through scripts/test.sh")
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_travel_through_nixl_between_nodes_that_both_have_it() {
+    let nats_port = free_port();
+    let _nats = nats_server(nats_port);
+    let nats_url = format!("nats://127.0.0.1:{nats_port}");
+    let tmp = std::env::temp_dir().join(format!("kvgate-kvbm-peers-{}", free_port()));
+    let secret = secret_file(&tmp, "secret", "a shared secret of the mesh");
+    let nixl: Vec<String> = ["--peer-fabric", "nixl", "--nixl-library", &nixl_library()]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    let a = node_with("node-a", &nats_url, &secret, &nixl);
+    let b = node_with("node-b", &nats_url, &secret, &nixl);
+    // Node c pulls over TCP only.
+    let c = node("node-c", &nats_url, &secret);
+    let mut ca = connector(&a).await;
+    // A chain for each puller, so that each can only come from a.
+    offload(&mut ca, None, &[1, 2, 3, 4]).await;
+    offload(&mut ca, None, &[11, 12, 13, 14]).await;
+    for (n, chain, what) in [
+        (&b, [1, 2, 3, 4], "b reads through NIXL"),
+        (&c, [11, 12, 13, 14], "c over TCP"),
+    ] {
+        let mut cn = connector(n).await;
+        lookup_until(&mut cn, &chain, (0, 4, 4), what).await;
+        // `onboard` checks every block's bytes.
+        assert_eq!(onboard(&mut cn, &chain).await, onboarded(4, 0, 4), "{what}");
+    }
+    let (ma, mb, mc) = (
+        metrics(a.metrics_port).await,
+        metrics(b.metrics_port).await,
+        metrics(c.metrics_port).await,
+    );
+    assert_eq!(
+        metric(
+            &ma,
+            r#"kvgate_kvbm_peer_fabric_served_total{outcome="read"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &ma,
+            r#"kvgate_kvbm_peer_fabric_served_total{outcome="fell_back"}"#
+        ),
+        0.0
+    );
+    assert_eq!(
+        metric(
+            &ma,
+            r#"kvgate_kvbm_peer_fabric_served_total{outcome="not_exposed"}"#
+        ),
+        0.0
+    );
+    assert_eq!(metric(&ma, "kvgate_kvbm_peer_served_blocks_total "), 8.0);
+    assert_eq!(
+        metric(&mb, r#"kvgate_kvbm_peer_fabric_reads_total{outcome="ok"}"#),
+        1.0
+    );
+    assert_eq!(metric(&mb, "kvgate_kvbm_peer_pulled_blocks_total "), 4.0);
+    assert_eq!(
+        metric(&mc, r#"kvgate_kvbm_peer_fabric_reads_total{outcome="ok"}"#),
+        0.0
+    );
+    assert_eq!(metric(&mc, "kvgate_kvbm_peer_pulled_blocks_total "), 4.0);
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+#[test]
+fn a_node_asked_for_nixl_without_it_does_not_start_and_says_why() {
+    let tmp = std::env::temp_dir().join(format!("kvgate-kvbm-no-nixl-{}", free_port()));
+    let secret = secret_file(&tmp, "secret", "a shared secret of the mesh");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate-kvbm"))
+        .args([
+            "--node",
+            "n",
+            "--model",
+            "m",
+            "--socket",
+            "/tmp/kvgate-kvbm-no-nixl.sock",
+            "--peer-listen",
+            "127.0.0.1:1",
+            "--peer-secret-file",
+            secret.to_str().unwrap(),
+            "--peer-fabric",
+            "nixl",
+            "--nixl-library",
+            "/nonexistent/libnixl_capi.so",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("libnixl_capi.so could not be loaded"),
+        "{stderr}"
     );
     let _ = std::fs::remove_dir_all(&tmp);
 }

@@ -1,9 +1,8 @@
-//! Frames on a peer TCP stream, each read and write under a deadline.
+//! Frames on a peer connection (a TCP stream), and deadlines.
 
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 
 use super::wire::{self, Frame, WireError};
 
@@ -49,7 +48,7 @@ pub async fn within<T>(
 }
 
 /// Writes one frame.
-pub async fn send(stream: &mut TcpStream, frame: &Frame) -> Result<(), ConnError> {
+pub async fn send(stream: &mut (impl AsyncWrite + Unpin), frame: &Frame) -> Result<(), ConnError> {
     let mut out = Vec::new();
     wire::encode(frame, &mut out);
     stream.write_all(&out).await?;
@@ -57,7 +56,7 @@ pub async fn send(stream: &mut TcpStream, frame: &Frame) -> Result<(), ConnError
 }
 
 /// Reads one frame.
-pub async fn recv(stream: &mut TcpStream) -> Result<Frame, ConnError> {
+pub async fn recv(stream: &mut (impl AsyncRead + Unpin)) -> Result<Frame, ConnError> {
     let mut header = [0u8; 4];
     stream.read_exact(&mut header).await?;
     let len = wire::body_len(header)?;

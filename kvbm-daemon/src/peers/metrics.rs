@@ -10,6 +10,30 @@ use super::directory::DirectoryStats;
 /// Why a pull failed, in label order.
 const FAILURES: [&str; 3] = ["io", "timeout", "protocol"];
 
+/// How an answer offered on a fabric reached this node.
+#[derive(Debug, Clone, Copy)]
+pub enum FabricRead {
+    /// Read there, every sum right.
+    Ok = 0,
+    /// The read failed or a sum was wrong: taken from the connection.
+    FellBack = 1,
+}
+
+const FABRIC_READS: [&str; 2] = ["ok", "fell_back"];
+
+/// What became of an answer this node served to a client that named its fabric.
+#[derive(Debug, Clone, Copy)]
+pub enum FabricServe {
+    /// The client read it there.
+    Read = 0,
+    /// The client could not: sent on the connection.
+    FellBack = 1,
+    /// It could not be exposed: sent on the connection.
+    Failed = 2,
+}
+
+const FABRIC_SERVES: [&str; 3] = ["read", "fell_back", "not_exposed"];
+
 /// The peer counters and gauges.
 #[derive(Debug)]
 pub struct PeerMetrics {
@@ -19,6 +43,8 @@ pub struct PeerMetrics {
     pulled_blocks: AtomicU64,
     pulled_bytes: AtomicU64,
     pull_seconds: Histogram,
+    fabric_reads: [AtomicU64; 2],
+    fabric_serves: [AtomicU64; 3],
     /// Pulls served to peers.
     pub served_pulls: AtomicU64,
     /// Blocks served to peers.
@@ -49,6 +75,8 @@ impl Default for PeerMetrics {
             pulled_blocks: AtomicU64::new(0),
             pulled_bytes: AtomicU64::new(0),
             pull_seconds: Histogram::new(buckets::SECONDS),
+            fabric_reads: Default::default(),
+            fabric_serves: Default::default(),
             served_pulls: AtomicU64::new(0),
             served_blocks: AtomicU64::new(0),
             served_bytes: AtomicU64::new(0),
@@ -82,6 +110,20 @@ impl PeerMetrics {
         if let Some(i) = FAILURES.iter().position(|k| *k == kind)
             && let Some(c) = self.pull_failures.get(i)
         {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// An answer offered on a fabric reached this node as `outcome` says.
+    pub fn fabric_read(&self, outcome: FabricRead) {
+        if let Some(c) = self.fabric_reads.get(outcome as usize) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// An answer for a client that named this node's fabric went as `outcome` says.
+    pub fn fabric_served(&self, outcome: FabricServe) {
+        if let Some(c) = self.fabric_serves.get(outcome as usize) {
             c.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -181,6 +223,30 @@ impl PeerMetrics {
             &[],
             get(&self.pulled_bytes),
         );
+        e.family(
+            "kvgate_kvbm_peer_fabric_reads_total",
+            Kind::Counter,
+            "Answers peers offered on the fabric (--peer-fabric), by outcome: read there, or fell_back to the connection (the read failed or a block failed its checksum).",
+        );
+        for (outcome, c) in FABRIC_READS.iter().zip(&self.fabric_reads) {
+            e.sample(
+                "kvgate_kvbm_peer_fabric_reads_total",
+                &[("outcome", outcome)],
+                get(c),
+            );
+        }
+        e.family(
+            "kvgate_kvbm_peer_fabric_served_total",
+            Kind::Counter,
+            "Answers served to peers that named this node's fabric, by outcome: read there, fell_back to the connection at the client's word, or not_exposed (sent on the connection).",
+        );
+        for (outcome, c) in FABRIC_SERVES.iter().zip(&self.fabric_serves) {
+            e.sample(
+                "kvgate_kvbm_peer_fabric_served_total",
+                &[("outcome", outcome)],
+                get(c),
+            );
+        }
         e.family(
             "kvgate_kvbm_peer_pull_duration_seconds",
             Kind::Histogram,

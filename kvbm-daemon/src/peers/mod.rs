@@ -9,9 +9,11 @@
 //!
 //! docs/kvbm.md § Pulls from peers documents the protocol, flags and failure modes.
 
+pub mod answer;
 pub mod auth;
 pub mod conn;
 pub mod directory;
+pub mod fabric;
 pub mod follow;
 pub mod metrics;
 pub mod pull;

@@ -1,16 +1,18 @@
-//! Pulling blocks from a peer: connect, authenticate both ways, ask, read and check.
+//! Pulling blocks from a peer: connect, authenticate both ways, ask, read (from the
+//! connection or a fabric) and check.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use kv_events::BlockKey;
-use tokio::io::AsyncReadExt as _;
 use tokio::net::TcpStream;
 
+use super::answer;
 use super::auth::{self, Role, Secret};
 use super::conn::{self, ConnError};
+use super::fabric::Fabric;
 use super::wire::{self, Frame};
 use crate::store::Layout;
 
@@ -28,6 +30,10 @@ pub struct PullConfig {
     pub secret: Arc<Secret>,
     /// The whole exchange's deadline (connecting, both proofs, the blocks).
     pub timeout: Duration,
+    /// The fabric answers may be read from (besides the connection).
+    pub fabric: Option<Arc<dyn Fabric>>,
+    /// Where fabric outcomes are counted.
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// What a pull brought: the key before the first block in the holder's chain, and the
@@ -43,7 +49,12 @@ pub async fn pull(
     layout: &Layout,
     keys: &[BlockKey],
 ) -> Result<Pulled, ConnError> {
-    conn::within(config.timeout, exchange(config, node, addr, layout, keys)).await
+    let deadline = Instant::now() + config.timeout;
+    conn::within(
+        config.timeout,
+        exchange(config, node, addr, layout, keys, deadline),
+    )
+    .await
 }
 
 async fn exchange(
@@ -52,6 +63,7 @@ async fn exchange(
     addr: SocketAddr,
     layout: &Layout,
     keys: &[BlockKey],
+    deadline: Instant,
 ) -> Result<Pulled, ConnError> {
     let connect = config.timeout.min(MAX_CONNECT);
     let mut stream = conn::within(connect, async { Ok(TcpStream::connect(addr).await?) }).await?;
@@ -100,15 +112,17 @@ async fn exchange(
         &Frame::Pull {
             layout: layout.clone(),
             keys: keys.iter().take(want).map(|k| k.0).collect(),
+            fabrics: config.fabric.iter().map(|f| f.name().to_owned()).collect(),
         },
     )
     .await?;
-    let (block_bytes, sums, parent) = match conn::recv(&mut stream).await? {
+    let (block_bytes, sums, parent, via) = match conn::recv(&mut stream).await? {
         Frame::Blocks {
             block_bytes,
             sums,
             parent,
-        } => (block_bytes, sums, parent),
+            via,
+        } => (block_bytes, sums, parent, via),
         Frame::Refused { message } => return Err(ConnError::Protocol(message)),
         _ => return Err(ConnError::Protocol("expected blocks".into())),
     };
@@ -121,18 +135,19 @@ async fn exchange(
     }
     let len = usize::try_from(block_bytes)
         .map_err(|_| ConnError::Protocol("block size out of range".into()))?;
-    let mut all = BytesMut::zeroed(len * sums.len());
-    stream.read_exact(&mut all).await?;
-    let mut all = all.freeze();
-    let mut blocks = Vec::with_capacity(sums.len());
-    for (i, sum) in sums.iter().enumerate() {
-        let block = all.split_to(len);
-        if wire::sum(&block) != *sum {
-            return Err(ConnError::Protocol(format!(
-                "block {i} from {server} failed its checksum"
-            )));
-        }
-        blocks.push(block);
-    }
+    let blocks = answer::receive(
+        &mut stream,
+        len,
+        &sums,
+        via,
+        config.fabric.as_ref(),
+        deadline,
+        &config.metrics.peer,
+    )
+    .await
+    .map_err(|e| match e {
+        ConnError::Protocol(m) => ConnError::Protocol(format!("{server}: {m}")),
+        other => other,
+    })?;
     Ok((parent.map(BlockKey), blocks))
 }

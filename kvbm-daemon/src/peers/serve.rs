@@ -5,12 +5,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use tokio::io::AsyncWriteExt as _;
 use tokio::net::{TcpListener, TcpStream};
 
+use super::answer::{self, Answer};
 use super::auth::{self, Role, Secret};
 use super::conn::{self, ConnError};
-use super::wire::{self, Frame};
+use super::fabric::Fabric;
+use super::wire::Frame;
 use crate::service::Service;
 
 /// How the pull server runs.
@@ -28,6 +29,8 @@ pub struct ServeConfig {
     pub io_timeout: Duration,
     /// A connection with no request for this long is closed.
     pub idle_timeout: Duration,
+    /// The fabric answers are exposed on, for clients that name it.
+    pub fabric: Option<Arc<dyn Fabric>>,
 }
 
 /// The longest each handshake step may take: a connection that has not proved itself holds
@@ -129,7 +132,12 @@ async fn connection(
             }
             Ok(other) => other?,
         };
-        let Frame::Pull { layout, keys } = frame else {
+        let Frame::Pull {
+            layout,
+            keys,
+            fabrics,
+        } = frame
+        else {
             return Err(ConnError::Protocol("expected pull".into()));
         };
         let keys: Vec<kv_events::BlockKey> = keys.into_iter().map(kv_events::BlockKey).collect();
@@ -143,19 +151,20 @@ async fn connection(
                 return Err(ConnError::Protocol(e.to_string()));
             }
         };
-        let header = Frame::Blocks {
-            block_bytes: layout.block_bytes,
-            sums: blocks.iter().map(|b| wire::sum(b)).collect(),
-            parent: parent.map(|k| k.0),
-        };
         let bytes: u64 = blocks.iter().map(|b| b.len() as u64).sum();
-        conn::within(io, async {
-            conn::send(&mut stream, &header).await?;
-            for block in &blocks {
-                stream.write_all(block).await?;
-            }
-            Ok(())
-        })
+        let answer = Answer {
+            block_bytes: layout.block_bytes,
+            parent: parent.map(|k| k.0),
+            blocks: &blocks,
+        };
+        answer::send(
+            &mut stream,
+            answer,
+            config.fabric.as_ref(),
+            &fabrics,
+            io,
+            peer,
+        )
         .await?;
         peer.served_pulls.fetch_add(1, Ordering::Relaxed);
         peer.served_blocks

@@ -6,9 +6,13 @@
 //! server: hello {node, nonce}
 //! client: auth {node, nonce, mac}            mac of the server's nonce
 //! server: welcome {mac}                      mac of the client's nonce
-//! client: pull {layout, keys}                at most MAX_BLOCKS keys, in chain order
+//! client: pull {layout, keys, fabrics}       at most MAX_BLOCKS keys, in chain order
 //! server: blocks {block_bytes, sums}         the leading blocks it holds (maybe none),
 //!         sums.len() × block_bytes raw bytes   each block's xxh3-64 in `sums`
+//!   …or   blocks {block_bytes, sums, via}    the same blocks, exposed on a fabric the
+//! client: fetched {ok}                         client named; no raw bytes follow. The client
+//! server: (if not ok) the raw bytes            READs them and says whether they arrived with
+//!                                              the right sums; if not, they come over TCP
 //!   …or   refused {message}
 //! (pull / blocks repeat; either end closes when done)
 //! ```
@@ -52,6 +56,9 @@ pub enum Frame {
         layout: Layout,
         /// Block keys, in chain order.
         keys: Vec<u64>,
+        /// Fabrics the client can read an answer from (besides this connection).
+        #[serde(default)]
+        fabrics: Vec<String>,
     },
     /// The answer to a pull: the raw bytes of `sums.len()` blocks follow.
     Blocks {
@@ -62,12 +69,33 @@ pub enum Frame {
         /// The key before the first block in its chain, as the server stored it.
         #[serde(default)]
         parent: Option<u64>,
+        /// Where to read the blocks instead, when the server exposed them on a fabric the
+        /// client named; then no raw bytes follow this frame.
+        #[serde(default)]
+        via: Option<Offer>,
+    },
+    /// After an answer `via` a fabric: whether the client read every block with its sum.
+    /// If not, the server sends the raw bytes after all.
+    Fetched {
+        /// The blocks arrived.
+        ok: bool,
     },
     /// The request or the handshake was refused; the server closes the connection.
     Refused {
         /// Why.
         message: String,
     },
+}
+
+/// An answer's blocks, exposed on a fabric: one buffer of `sums.len() × block_bytes` bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Offer {
+    /// The fabric (`nixl`).
+    pub fabric: String,
+    /// What a reader on that fabric needs (NIXL: the server agent's metadata).
+    pub metadata: Vec<u8>,
+    /// The buffer's address on the server.
+    pub addr: u64,
 }
 
 /// A frame that could not be read.
@@ -160,12 +188,25 @@ mod tests {
             Frame::Pull {
                 layout: layout(),
                 keys: vec![1, u64::MAX],
+                fabrics: vec!["nixl".into()],
             },
             Frame::Blocks {
                 block_bytes: 4096,
                 sums: vec![7, 8],
                 parent: Some(3),
+                via: None,
             },
+            Frame::Blocks {
+                block_bytes: 4096,
+                sums: vec![7],
+                parent: None,
+                via: Some(Offer {
+                    fabric: "nixl".into(),
+                    metadata: vec![0, 255, 9],
+                    addr: u64::MAX,
+                }),
+            },
+            Frame::Fetched { ok: false },
             Frame::Refused {
                 message: "no".into(),
             },
@@ -175,10 +216,50 @@ mod tests {
     }
 
     #[test]
+    fn frames_from_a_node_without_fabrics_still_decode() {
+        // The frames as a node built before fabrics existed sends them.
+        #[derive(Serialize)]
+        #[serde(tag = "op", rename_all = "snake_case")]
+        enum Before {
+            Pull { layout: Layout, keys: Vec<u64> },
+            Blocks { block_bytes: u64, sums: Vec<u64> },
+        }
+        for (before, now) in [
+            (
+                Before::Pull {
+                    layout: layout(),
+                    keys: vec![5],
+                },
+                Frame::Pull {
+                    layout: layout(),
+                    keys: vec![5],
+                    fabrics: Vec::new(),
+                },
+            ),
+            (
+                Before::Blocks {
+                    block_bytes: 4096,
+                    sums: vec![1],
+                },
+                Frame::Blocks {
+                    block_bytes: 4096,
+                    sums: vec![1],
+                    parent: None,
+                    via: None,
+                },
+            ),
+        ] {
+            let body = rmp_serde::to_vec_named(&before).unwrap();
+            assert_eq!(decode(&body).unwrap(), now);
+        }
+    }
+
+    #[test]
     fn the_largest_pull_fits_a_frame_and_bounds_are_enforced() {
         let pull = Frame::Pull {
             layout: layout(),
             keys: vec![u64::MAX; MAX_BLOCKS],
+            fabrics: vec!["nixl".into()],
         };
         let mut out = Vec::new();
         encode(&pull, &mut out);
@@ -186,12 +267,14 @@ mod tests {
         let over = Frame::Pull {
             layout: layout(),
             keys: vec![1; MAX_BLOCKS + 1],
+            fabrics: Vec::new(),
         };
         assert!(matches!(round_trip(&over), Err(WireError::TooManyKeys(_))));
         let big = Frame::Blocks {
             block_bytes: MAX_ANSWER_BYTES,
             sums: vec![1, 2],
             parent: None,
+            via: None,
         };
         assert!(matches!(round_trip(&big), Err(WireError::TooLarge { .. })));
         assert!(decode(b"\x93\x01\x02\x03").is_err());

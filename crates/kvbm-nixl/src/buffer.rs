@@ -1,0 +1,51 @@
+//! Host buffers as NIXL memory descriptors.
+#![allow(unsafe_code)]
+
+use nixl_sys::{MemType, MemoryRegion, NixlDescriptor};
+
+/// Bytes on the heap, described to NIXL as host memory (device 0). Moving the buffer does not
+/// move its bytes, so an address handed to NIXL stays valid until the buffer is dropped.
+#[derive(Debug)]
+pub(crate) struct HostBuffer(Vec<u8>);
+
+impl HostBuffer {
+    pub(crate) fn new(bytes: Vec<u8>) -> Self {
+        Self(bytes)
+    }
+
+    /// Where the bytes start.
+    pub(crate) fn addr(&self) -> usize {
+        self.0.as_ptr() as usize
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+impl MemoryRegion for HostBuffer {
+    // SAFETY (of the contract): the pointer is valid for `size()` bytes while the buffer lives,
+    // which the registrations and transfers made from it outlive nowhere (`transfer` drops them
+    // first, or keeps the buffer until its transfer has ended).
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.0.as_ptr()
+    }
+
+    fn size(&self) -> usize {
+        self.0.len()
+    }
+}
+
+impl NixlDescriptor for HostBuffer {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+
+    fn device_id(&self) -> u64 {
+        0
+    }
+}

@@ -1,0 +1,116 @@
+//! Fabrics an answer's blocks may travel on instead of the pull connection.
+//!
+//! The server exposes the answer (one buffer) and sends an [`Offer`] in its `blocks` frame;
+//! the client reads it and checks every block's sum; anything short of that and the bytes come
+//! over the connection after all. [`NixlFabric`] is the one real fabric (NIXL READs over UCX:
+//! RDMA where the nodes have it); `--peer-fabric nixl` turns it on.
+
+use std::fmt;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::wire::Offer;
+
+/// A way to move an answer's bytes from server to client besides the pull connection.
+pub trait Fabric: Send + Sync + fmt::Debug {
+    /// Its name on the wire (`fabrics` in `pull`, `fabric` in an offer).
+    fn name(&self) -> &'static str;
+
+    /// Makes `blocks`, one after another, readable by the client until the returned exposure
+    /// is dropped. Blocking: call it where blocking is allowed.
+    fn expose(&self, blocks: &[Bytes]) -> Result<Exposure, FabricError>;
+
+    /// Reads the `len` bytes `offer` exposes, by `deadline`. Blocking.
+    fn read(&self, offer: &Offer, len: u64, deadline: Instant) -> Result<Vec<u8>, FabricError>;
+}
+
+/// Bytes exposed on a fabric, until this is dropped.
+pub struct Exposure {
+    /// What the client needs to read them.
+    pub offer: Offer,
+    /// Keeps the bytes exposed; dropping it withdraws them.
+    pub guard: Box<dyn Send + Sync>,
+}
+
+impl fmt::Debug for Exposure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Exposure")
+            .field("fabric", &self.offer.fabric)
+            .field("addr", &self.offer.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A fabric operation failed; the bytes go over the pull connection instead.
+#[derive(Debug, thiserror::Error)]
+#[error("{fabric}: {source}")]
+pub struct FabricError {
+    /// The fabric.
+    pub fabric: &'static str,
+    /// What failed.
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+/// NIXL (its UCX backend) as a fabric.
+#[derive(Debug)]
+pub struct NixlFabric(kvbm_nixl::Nixl);
+
+impl NixlFabric {
+    /// The wire name.
+    pub const NAME: &'static str = "nixl";
+
+    /// Wraps a loaded NIXL agent (its pool's buffers must hold an answer:
+    /// [`super::wire::MAX_ANSWER_BYTES`]).
+    pub fn new(nixl: kvbm_nixl::Nixl) -> Self {
+        Self(nixl)
+    }
+
+    fn error(source: kvbm_nixl::ReadError) -> FabricError {
+        FabricError {
+            fabric: Self::NAME,
+            source: Box::new(source),
+        }
+    }
+}
+
+impl Fabric for NixlFabric {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    fn expose(&self, blocks: &[Bytes]) -> Result<Exposure, FabricError> {
+        let len: usize = blocks.iter().map(Bytes::len).sum();
+        let fill = |out: &mut [u8]| {
+            let mut at = 0;
+            for block in blocks {
+                if let Some(dst) = out.get_mut(at..at + block.len()) {
+                    dst.copy_from_slice(block);
+                }
+                at += block.len();
+            }
+        };
+        let exposed = self.0.expose(len as u64, fill).map_err(Self::error)?;
+        let offer = Offer {
+            fabric: Self::NAME.into(),
+            metadata: exposed.offer().metadata.clone(),
+            addr: exposed.offer().addr,
+        };
+        Ok(Exposure {
+            offer,
+            guard: Box::new(exposed),
+        })
+    }
+
+    fn read(&self, offer: &Offer, len: u64, deadline: Instant) -> Result<Vec<u8>, FabricError> {
+        let offer = kvbm_nixl::Offer {
+            metadata: offer.metadata.clone(),
+            addr: offer.addr,
+            len,
+        };
+        self.0
+            .read(&offer, deadline, <[u8]>::to_vec)
+            .map_err(Self::error)
+    }
+}
