@@ -179,18 +179,38 @@ fn every_value_set_lints_and_renders_secure_workloads() {
         "--peer-advertise-ip=$(POD_IP)",
         "--peer-secret-file=/etc/kvgate/peer/secret",
         "--peer-timeout-ms=1500",
+        "--peer-fabric=nixl",
+        "--nixl-library=/opt/nixl/lib/libnixl_capi.so",
         "status.podIP",
         "kvbm-peers",
     ] {
         assert!(peers.contains(needle), "the kvbm DaemonSet has {needle}");
     }
-    assert!(
-        everything
-            .get("NetworkPolicy", "kvgate-kvbm")
+    // The rule letting the release's block managers in: with NIXL, on every port (UCX's own);
+    // over TCP only, on the pull port alone.
+    let peer_rule = |r: &Rendered| -> Value {
+        let policy = r.get("NetworkPolicy", "kvgate-kvbm").unwrap();
+        policy["spec"]["ingress"]
+            .as_array()
             .unwrap()
-            .to_string()
-            .contains("9094")
+            .iter()
+            .find(|rule| rule["from"][0]["podSelector"].is_object())
+            .cloned()
+            .unwrap()
+    };
+    assert!(peer_rule(&everything).get("ports").is_none());
+    let tcp = h
+        .template(
+            "kvgate",
+            "llm",
+            &[&set("everything"), "kvbm: {peers: {fabric: tcp}}"],
+        )
+        .unwrap();
+    assert_eq!(
+        peer_rule(&tcp)["ports"],
+        serde_json::json!([{"port": 9094, "protocol": "TCP"}])
     );
+    assert!(!kvbm(&tcp).unwrap().contains("nixl"));
     assert!(kvbm(&defaults).is_none_or(|d| !d.contains("peer")));
     let tls_off = render(&h, "tls-off");
     let args = &tls_off.get("Deployment", "kvgate-epp").unwrap()["spec"]["template"]["spec"]["containers"]

@@ -518,7 +518,11 @@ fn a_node_asked_for_nixl_without_it_does_not_start_and_says_why() {
         ])
         .output()
         .unwrap();
-    assert!(!out.status.success());
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a runtime failure, not a usage error"
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("libnixl_capi.so could not be loaded"),
