@@ -28,9 +28,12 @@ impl HostBuffer {
 }
 
 impl MemoryRegion for HostBuffer {
-    // SAFETY (of the contract): the pointer is valid for `size()` bytes while the buffer lives,
-    // which the registrations and transfers made from it outlive nowhere (`transfer` drops them
-    // first, or keeps the buffer until its transfer has ended).
+    // SAFETY (of the contract): the pointer is valid for `size()` bytes while the buffer lives.
+    // `transfer` deregisters a buffer before freeing it, and keeps a buffer its own read may
+    // still write into out of use (quarantined, or leaked). What it cannot bound is a peer's
+    // remote access: UCX serves those without this process's code, so a peer holding the
+    // agent's metadata reaches registered buffers (and, over UCX's software RMA, any address)
+    // for as long as the agent lives. docs/kvbm.md § The NIXL fabric states that trust.
     unsafe fn as_ptr(&self) -> *const u8 {
         self.0.as_ptr()
     }

@@ -15,10 +15,11 @@
 
 mod buffer;
 pub mod load;
+mod symbols;
 mod transfer;
 
 pub use load::{LoadError, ProbeError};
-pub use transfer::{Exposed, Nixl, Offer, PoolConfig, ReadError};
+pub use transfer::{Exposed, Nixl, Offer, PoolConfig, ReadError, agent_name_of};
 
 /// The NIXL backend plugin every agent creates.
 pub const BACKEND: &str = "UCX";

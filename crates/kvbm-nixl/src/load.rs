@@ -2,8 +2,8 @@
 //!
 //! The `stub-api` bindings `dlopen` [`LIBRARY`](crate::LIBRARY) on their first call and abort
 //! the process when it is missing. [`library`] opens it first, through the same search path
-//! (`LD_LIBRARY_PATH`, the loader's cache), and checks a symbol, so callers learn whether NIXL is
-//! usable before any binding runs. The handle is kept for the life of the process: the
+//! (`LD_LIBRARY_PATH`, the loader's cache), and checks every symbol the bindings resolve, so
+//! callers learn whether NIXL is usable before any binding runs. The handle is kept for the life of the process: the
 //! bindings' own `dlopen` then finds the library already loaded.
 #![allow(unsafe_code)]
 
@@ -11,6 +11,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use crate::LIBRARY;
+use crate::symbols::SYMBOLS;
 
 /// Why NIXL cannot be used on this node.
 #[derive(Debug, thiserror::Error)]
@@ -48,9 +49,6 @@ pub enum ProbeError {
     },
 }
 
-/// A symbol every version of the C API the bindings support exports.
-const PROBE_SYMBOL: &str = "nixl_capi_create_agent";
-
 static LIBRARY_HANDLE: OnceLock<Result<libloading::Library, ProbeError>> = OnceLock::new();
 
 /// Opens NIXL's C API once per process, from `path` or else by its name through the library
@@ -70,14 +68,16 @@ fn open(path: Option<&Path>) -> Result<libloading::Library, ProbeError> {
     // bindings would run anyway when they open the same library on their first call.
     let library =
         unsafe { libloading::Library::new(&name) }.map_err(|e| ProbeError::Library(chain(&e)))?;
-    // SAFETY: the symbol is only looked up, never called through this pointer, so the type
-    // given (a pointer-sized function pointer) is not relied upon.
-    let probe = unsafe { library.get::<unsafe extern "C" fn()>(PROBE_SYMBOL.as_bytes()) };
-    if let Err(e) = probe {
-        return Err(ProbeError::Symbol {
-            symbol: PROBE_SYMBOL,
-            message: chain(&e),
-        });
+    for &symbol in SYMBOLS {
+        // SAFETY: the symbol is only looked up, never called through this pointer, so the type
+        // given (a pointer-sized function pointer) is not relied upon.
+        let found = unsafe { library.get::<unsafe extern "C" fn()>(symbol.as_bytes()) };
+        if let Err(e) = found {
+            return Err(ProbeError::Symbol {
+                symbol,
+                message: chain(&e),
+            });
+        }
     }
     Ok(library)
 }
@@ -112,7 +112,7 @@ mod tests {
         }
         // A real shared library without NIXL's symbols.
         match open(Some(Path::new("libc.so.6"))) {
-            Err(ProbeError::Symbol { symbol, .. }) => assert_eq!(symbol, PROBE_SYMBOL),
+            Err(ProbeError::Symbol { symbol, .. }) => assert!(SYMBOLS.contains(&symbol)),
             other => panic!("expected a symbol error, got {other:?}"),
         }
     }

@@ -2,7 +2,7 @@
 //! registered once each.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use nixl_sys::{
@@ -14,12 +14,15 @@ use crate::BACKEND;
 use crate::buffer::HostBuffer;
 use crate::load::{self, LoadError};
 
-/// How long a transfer that outlived its caller's deadline is still waited for before its
-/// buffer is leaked (NIXL may still write into it; reusing or freeing it would be unsound).
-const DRAIN_GRACE: Duration = Duration::from_secs(30);
+/// How long a buffer whose transfer failed or outlived its caller's deadline is kept out of the
+/// pool: NIXL may still write into it (a failed status does not always mean UCX has stopped).
+const QUARANTINE: Duration = Duration::from_secs(30);
 
 /// Microseconds the agent's progress thread sleeps between rounds.
 const PROGRESS_DELAY_US: u64 = 200;
+
+/// Remote agents kept loaded at most (one per peer node; the oldest is dropped beyond this).
+const MAX_REMOTES: usize = 1024;
 
 /// What a puller needs to READ an exposed buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,6 +58,14 @@ pub enum ReadError {
     /// Every pool buffer is in use.
     #[error("all {0} NIXL buffers are in use")]
     Busy(usize),
+    /// The offer's metadata names an agent that is not the serving node's.
+    #[error("the offer's NIXL agent {agent:?} is not node {node:?}'s")]
+    Impostor {
+        /// The node that answered the pull.
+        node: String,
+        /// The agent its metadata named.
+        agent: String,
+    },
     /// A NIXL call failed.
     #[error("NIXL {step}: {source}")]
     Nixl {
@@ -74,30 +85,39 @@ fn nixl(step: &'static str) -> impl FnOnce(NixlError) -> ReadError {
     move |source| ReadError::Nixl { step, source }
 }
 
-/// A registered pool buffer.
+/// A registered pool buffer, with the agent's metadata as of its registration (which lists it).
 #[derive(Debug)]
 struct Slot {
     // Declared before `buffer`: fields drop in order, so the memory is deregistered before it
     // is freed.
     _registration: RegistrationHandle,
     buffer: HostBuffer,
+    metadata: Arc<Vec<u8>>,
 }
 
 #[derive(Debug)]
 struct Pool {
     config: PoolConfig,
     free: Vec<Slot>,
-    /// Slots registered so far (free, in use, or draining).
+    /// Buffers registered or being registered (free, in use, quarantined).
     made: usize,
-    /// The agent's metadata as of the last registration (it lists every registered slot).
-    metadata: Arc<Vec<u8>>,
+    /// Buffers given up on: a transfer still ran after its quarantine.
+    leaked: usize,
+}
+
+type Shared = Arc<Mutex<Pool>>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A NIXL agent with the UCX backend.
 pub struct Nixl {
     agent: Arc<Agent>,
     name: String,
-    pool: Arc<Mutex<Pool>>,
+    pool: Shared,
+    /// Each peer node's loaded agent, in load order (a node's restart names a new agent).
+    remotes: Mutex<Vec<(String, String)>>,
 }
 
 impl std::fmt::Debug for Nixl {
@@ -106,18 +126,27 @@ impl std::fmt::Debug for Nixl {
     }
 }
 
-/// Bytes exposed for peers to read; the buffer goes back to the pool when this is dropped.
+/// Bytes exposed for peers to read. Dropping it returns the buffer to the pool at once: drop it
+/// only when the reader is done, or call [`Exposed::quarantine`].
 #[derive(Debug)]
 pub struct Exposed {
     offer: Offer,
     slot: Option<Slot>,
-    pool: Arc<Mutex<Pool>>,
+    pool: Shared,
 }
 
 impl Exposed {
     /// What to send the puller.
     pub fn offer(&self) -> &Offer {
         &self.offer
+    }
+
+    /// The reader may still be reading: keep the buffer out of the pool for a while first
+    /// (on a thread of its own).
+    pub fn quarantine(mut self) {
+        if let Some(slot) = self.slot.take() {
+            Late::hold(None, slot, Arc::clone(&self.pool));
+        }
     }
 }
 
@@ -129,20 +158,25 @@ impl Drop for Exposed {
     }
 }
 
-fn lock(pool: &Mutex<Pool>) -> std::sync::MutexGuard<'_, Pool> {
-    pool.lock().unwrap_or_else(PoisonError::into_inner)
+/// The agent name of `node`'s daemon: `kvbm-<node>-<16 hex digits>`.
+pub fn agent_name_of(node: &str, agent: &str) -> bool {
+    agent
+        .strip_prefix("kvbm-")
+        .and_then(|rest| rest.strip_prefix(node))
+        .and_then(|rest| rest.strip_prefix('-'))
+        .is_some_and(|epoch| epoch.len() == 16 && epoch.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 impl Nixl {
-    /// An agent named `name` (unique in the mesh: peers key their loaded metadata by it), with
-    /// the UCX backend and a pool as `pool` says; or why NIXL cannot be used here. NIXL's C API
-    /// is opened from `library`, or else found through the library search path (see
+    /// An agent named `name` (`kvbm-<node>-<16 hex digits>`: peers check it), with the UCX
+    /// backend and a pool as `pool` says; or why NIXL cannot be used here. NIXL's C API is
+    /// opened from `library`, or else found through the library search path (see
     /// [`load::library`]). NIXL finds its plugins in `plugins/` beside `libnixl.so`, or in
     /// `NIXL_PLUGIN_DIR`.
     pub fn load(name: &str, library: Option<&Path>, pool: PoolConfig) -> Result<Self, LoadError> {
         load::library(library)?;
         let config = AgentConfig {
-            // Transfers from many connections at once; registrations exclusive.
+            // NIXL's own locking mode; nixl-sys serialises most calls behind its own lock.
             thread_sync: ThreadSync::Rw,
             // Metadata travels on the authenticated pull connection only.
             enable_listen_thread: false,
@@ -174,8 +208,9 @@ impl Nixl {
                 config: pool,
                 free: Vec::new(),
                 made: 0,
-                metadata: Arc::new(Vec::new()),
+                leaked: 0,
             })),
+            remotes: Mutex::new(Vec::new()),
         })
     }
 
@@ -184,30 +219,46 @@ impl Nixl {
         &self.name
     }
 
-    /// A free pool buffer (registering a new one while fewer than the pool's size exist),
-    /// and the agent's metadata that lists it.
-    fn take(&self) -> Result<(Slot, Arc<Vec<u8>>), ReadError> {
-        let mut pool = lock(&self.pool);
-        if let Some(slot) = pool.free.pop() {
-            return Ok((slot, Arc::clone(&pool.metadata)));
-        }
-        if pool.made >= pool.config.buffers {
-            return Err(ReadError::Busy(pool.config.buffers));
-        }
-        // Registered under the lock: the metadata read after it lists every slot made so far.
-        let buffer = HostBuffer::new(vec![0; pool.config.buffer_bytes]);
-        let registration = self
-            .agent
-            .register_memory(&buffer, None)
-            .map_err(nixl("register"))?;
-        let metadata = self.agent.get_local_md().map_err(nixl("local metadata"))?;
-        pool.metadata = Arc::new(metadata);
-        pool.made += 1;
-        let slot = Slot {
-            _registration: registration,
-            buffer,
+    /// Pool buffers given up on so far (a transfer still ran after its quarantine).
+    pub fn leaked_buffers(&self) -> usize {
+        lock(&self.pool).leaked
+    }
+
+    /// A free pool buffer, or a new one (registered outside the pool's lock) while fewer than
+    /// the pool's size exist.
+    fn take(&self) -> Result<Slot, ReadError> {
+        let bytes = {
+            let mut pool = lock(&self.pool);
+            if let Some(slot) = pool.free.pop() {
+                return Ok(slot);
+            }
+            if pool.made >= pool.config.buffers {
+                return Err(ReadError::Busy(pool.config.buffers));
+            }
+            pool.made += 1;
+            pool.config.buffer_bytes
         };
-        Ok((slot, Arc::clone(&pool.metadata)))
+        let made = (|| {
+            let buffer = HostBuffer::new(vec![0; bytes]);
+            let registration = self
+                .agent
+                .register_memory(&buffer, None)
+                .map_err(nixl("register"))?;
+            let metadata = self.agent.get_local_md().map_err(nixl("local metadata"))?;
+            Ok(Slot {
+                _registration: registration,
+                buffer,
+                metadata: Arc::new(metadata),
+            })
+        })();
+        if made.is_err() {
+            lock(&self.pool).made -= 1;
+        }
+        made
+    }
+
+    fn give_back(&self, slot: Slot) {
+        lock(&self.pool).free.push(slot);
     }
 
     fn check_len(&self, len: u64) -> Result<usize, ReadError> {
@@ -219,19 +270,19 @@ impl Nixl {
         }
     }
 
-    /// Exposes `len` bytes, written by `fill`, for peers to read until the returned value is
-    /// dropped.
+    /// Exposes `len` bytes, written by `fill`, in a pool buffer. Every registered buffer is
+    /// readable by whoever holds this agent's metadata for as long as the agent lives; the
+    /// exposure only decides when the buffer is reused.
     pub fn expose(&self, len: u64, fill: impl FnOnce(&mut [u8])) -> Result<Exposed, ReadError> {
         let len = self.check_len(len)?;
-        let (mut slot, metadata) = self.take()?;
-        let bytes = slot
-            .buffer
-            .bytes_mut()
-            .get_mut(..len)
-            .ok_or(ReadError::TooLarge(len as u64))?;
+        let mut slot = self.take()?;
+        let Some(bytes) = slot.buffer.bytes_mut().get_mut(..len) else {
+            self.give_back(slot);
+            return Err(ReadError::TooLarge(len as u64));
+        };
         fill(bytes);
         let offer = Offer {
-            metadata: metadata.as_ref().clone(),
+            metadata: slot.metadata.as_ref().clone(),
             addr: slot.buffer.addr() as u64,
             len: len as u64,
         };
@@ -242,33 +293,72 @@ impl Nixl {
         })
     }
 
-    /// Reads what `offer` exposes, by `deadline`, and hands the bytes to `take` (before the
-    /// buffer returns to the pool). Blocks; call it where blocking is allowed.
+    /// Loads `node`'s agent from `metadata`, refusing one named for another node, and drops the
+    /// agent the node had before (a restart) and the oldest beyond [`MAX_REMOTES`].
+    fn remote(&self, node: &str, metadata: &[u8]) -> Result<String, ReadError> {
+        let agent = self
+            .agent
+            .load_remote_md(metadata)
+            .map_err(nixl("load remote metadata"))?;
+        if !agent_name_of(node, &agent) {
+            let _ = self.agent.invalidate_remote_md(&agent);
+            return Err(ReadError::Impostor {
+                node: node.to_owned(),
+                agent,
+            });
+        }
+        let mut remotes = lock(&self.remotes);
+        let mut stale: Vec<String> = Vec::new();
+        remotes.retain(|(n, a)| {
+            let keep = n != node || *a == agent;
+            if !keep {
+                stale.push(a.clone());
+            }
+            keep
+        });
+        if !remotes.iter().any(|(_, a)| *a == agent) {
+            remotes.push((node.to_owned(), agent.clone()));
+        }
+        while remotes.len() > MAX_REMOTES {
+            stale.push(remotes.remove(0).1);
+        }
+        drop(remotes);
+        for old in stale {
+            tracing::debug!(agent = %old, "NIXL agent of a restarted or forgotten peer dropped");
+            let _ = self.agent.invalidate_remote_md(&old);
+        }
+        Ok(agent)
+    }
+
+    /// Reads what `offer` from the daemon of `node` exposes, by `deadline`, and hands the bytes
+    /// to `take` (before the buffer returns to the pool). Blocks; call it where blocking is
+    /// allowed.
     pub fn read<R>(
         &self,
+        node: &str,
         offer: &Offer,
         deadline: Instant,
         take: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, ReadError> {
         let len = self.check_len(offer.len)?;
         let addr = usize::try_from(offer.addr).map_err(|_| ReadError::TooLarge(offer.addr))?;
-        let remote = self
-            .agent
-            .load_remote_md(&offer.metadata)
-            .map_err(nixl("load remote metadata"))?;
-        let (slot, _) = self.take()?;
-        let mut local = XferDescList::new(MemType::Dram).map_err(nixl("descriptor list"))?;
-        local.add_desc(slot.buffer.addr(), len, 0);
-        let mut theirs = XferDescList::new(MemType::Dram).map_err(nixl("descriptor list"))?;
-        theirs.add_desc(addr, len, 0);
-        let request = match self
-            .agent
-            .create_xfer_req(XferOp::Read, &local, &theirs, &remote, None)
-        {
+        let remote = self.remote(node, &offer.metadata)?;
+        let slot = self.take()?;
+        // Until the request is posted nothing can write into the buffer: failures give it back.
+        let request = (|| {
+            let mut local = XferDescList::new(MemType::Dram).map_err(nixl("descriptor list"))?;
+            local.add_desc(slot.buffer.addr(), len, 0);
+            let mut theirs = XferDescList::new(MemType::Dram).map_err(nixl("descriptor list"))?;
+            theirs.add_desc(addr, len, 0);
+            self.agent
+                .create_xfer_req(XferOp::Read, &local, &theirs, &remote, None)
+                .map_err(nixl("create transfer"))
+        })();
+        let request = match request {
             Ok(r) => r,
             Err(e) => {
-                lock(&self.pool).free.push(slot);
-                return Err(nixl("create transfer")(e));
+                self.give_back(slot);
+                return Err(e);
             }
         };
         let done = self
@@ -276,7 +366,7 @@ impl Nixl {
             .post_xfer_req(&request, None)
             .and_then(|in_progress| {
                 if in_progress {
-                    wait(&self.agent, &request, deadline)
+                    wait(&self.agent, &request, deadline, Poll::Eager)
                 } else {
                     Ok(true)
                 }
@@ -285,11 +375,11 @@ impl Nixl {
             Ok(true) => {
                 drop(request);
                 let out = slot.buffer.bytes().get(..len).map(take);
-                lock(&self.pool).free.push(slot);
+                self.give_back(slot);
                 out.ok_or(ReadError::TooLarge(len as u64))
             }
             Ok(false) => {
-                drain(
+                Late::drain(
                     Arc::clone(&self.agent),
                     request,
                     slot,
@@ -298,17 +388,30 @@ impl Nixl {
                 Err(ReadError::Timeout)
             }
             Err(e) => {
-                // Failed: NIXL no longer writes into the buffer.
-                drop(request);
-                lock(&self.pool).free.push(slot);
+                // A failed status does not prove UCX stopped writing: quarantined.
+                Late::hold(Some(request), slot, Arc::clone(&self.pool));
                 Err(nixl("transfer")(e))
             }
         }
     }
 }
 
+/// How [`wait`] polls.
+#[derive(Debug, Clone, Copy)]
+enum Poll {
+    /// A caller waits: yield, then every 50 µs.
+    Eager,
+    /// Nobody waits: every millisecond.
+    Lazy,
+}
+
 /// Polls `request` until it completes (`true`), fails, or `until` passes (`false`).
-fn wait(agent: &Agent, request: &XferRequest, until: Instant) -> Result<bool, NixlError> {
+fn wait(
+    agent: &Agent,
+    request: &XferRequest,
+    until: Instant,
+    poll: Poll,
+) -> Result<bool, NixlError> {
     let mut polls = 0u32;
     loop {
         if matches!(agent.get_xfer_status(request)?, XferStatus::Success) {
@@ -318,27 +421,69 @@ fn wait(agent: &Agent, request: &XferRequest, until: Instant) -> Result<bool, Ni
             return Ok(false);
         }
         polls = polls.saturating_add(1);
-        if polls < 64 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
+        match poll {
+            Poll::Eager if polls < 64 => std::thread::yield_now(),
+            Poll::Eager => std::thread::sleep(Duration::from_micros(50)),
+            Poll::Lazy => std::thread::sleep(Duration::from_millis(1)),
         }
     }
 }
 
-/// A transfer that outlived its caller's deadline, with the pool buffer NIXL may still write
-/// into. Unless `ended` is set, dropping it leaks the buffer instead of reusing it.
+/// A buffer NIXL may still write into (or a peer still read), with its request if any. Unless
+/// `ended` is set, dropping it leaks the buffer instead of reusing it.
 struct Late {
     request: Option<XferRequest>,
     slot: Option<Slot>,
-    pool: Arc<Mutex<Pool>>,
+    pool: Shared,
     ended: bool,
 }
 
 impl Late {
-    /// NIXL is done with the buffer: it may be reused.
-    fn end(&mut self) {
-        self.ended = true;
+    /// Waits, on a thread of its own, for `request` to end, at most [`QUARANTINE`]; then the
+    /// buffer returns to the pool, or is leaked if the transfer still runs.
+    fn drain(agent: Arc<Agent>, request: XferRequest, slot: Slot, pool: Shared) {
+        let late = Late::new(Some(request), slot, pool);
+        late.spawn(move |late| {
+            if let Some(request) = &late.request {
+                match wait(&agent, request, Instant::now() + QUARANTINE, Poll::Lazy) {
+                    Ok(true) => late.ended = true,
+                    Ok(false) => {}
+                    // Failed: as for [`Late::hold`], wait out the quarantine.
+                    Err(_) => {
+                        std::thread::sleep(QUARANTINE);
+                        late.ended = true;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Keeps the buffer out of the pool for [`QUARANTINE`], then returns it.
+    fn hold(request: Option<XferRequest>, slot: Slot, pool: Shared) {
+        let late = Late::new(request, slot, pool);
+        late.spawn(|late| {
+            std::thread::sleep(QUARANTINE);
+            late.ended = true;
+        });
+    }
+
+    fn new(request: Option<XferRequest>, slot: Slot, pool: Shared) -> Self {
+        Late {
+            request,
+            slot: Some(slot),
+            pool,
+            ended: false,
+        }
+    }
+
+    fn spawn(self, work: impl FnOnce(&mut Late) + Send + 'static) {
+        let mut late = self;
+        let spawned = std::thread::Builder::new()
+            .name("nixl-quarantine".into())
+            .spawn(move || work(&mut late));
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "no thread to quarantine a NIXL buffer");
+        }
     }
 }
 
@@ -350,35 +495,32 @@ impl Drop for Late {
                 lock(&self.pool).free.push(slot);
             }
         } else {
-            tracing::error!("a NIXL read may still be running; its buffer is leaked");
+            tracing::error!(
+                "a NIXL transfer may still be running; its buffer is leaked and the pool is one buffer smaller"
+            );
+            lock(&self.pool).leaked += 1;
             std::mem::forget(self.request.take());
             std::mem::forget(self.slot.take());
         }
     }
 }
 
-/// Keeps a late transfer's buffer out of the pool until NIXL is done with it, on a thread of
-/// its own (at most [`DRAIN_GRACE`]; after that, or without a thread, the buffer is leaked and
-/// the pool is one buffer smaller).
-fn drain(agent: Arc<Agent>, request: XferRequest, slot: Slot, pool: Arc<Mutex<Pool>>) {
-    let mut late = Late {
-        request: Some(request),
-        slot: Some(slot),
-        pool,
-        ended: false,
-    };
-    let spawned = std::thread::Builder::new()
-        .name("nixl-drain".into())
-        .spawn(move || {
-            let until = Instant::now() + DRAIN_GRACE;
-            if let Some(request) = &late.request
-                // Finished, or failed: either way NIXL no longer writes into the buffer.
-                && !matches!(wait(&agent, request, until), Ok(false))
-            {
-                late.end();
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::error!(error = %e, "no thread to drain a late NIXL read");
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agent_names_belong_to_their_node() {
+        assert!(agent_name_of("gpu-1", "kvbm-gpu-1-00ff00ff00ff00ff"));
+        for (node, agent) in [
+            ("gpu-1", "kvbm-gpu-2-00ff00ff00ff00ff"),
+            ("gpu-1", "kvbm-gpu-1-00ff00ff00ff00f"),
+            ("gpu-1", "kvbm-gpu-1-00ff00ff00ff00fg"),
+            ("gpu-1", "kvbm-gpu-1x00ff00ff00ff00ff"),
+            ("gpu", "kvbm-gpu-1-00ff00ff00ff00ff"),
+            ("gpu-1", "gpu-1-00ff00ff00ff00ff"),
+        ] {
+            assert!(!agent_name_of(node, agent), "{agent} is not {node}'s");
+        }
     }
 }

@@ -43,13 +43,17 @@ fn expose(nixl: &Nixl, bytes: &[u8]) -> Result<kvbm_nixl::Exposed, ReadError> {
     nixl.expose(bytes.len() as u64, |out| out.copy_from_slice(bytes))
 }
 
-fn read(nixl: &Nixl, offer: &Offer) -> Result<Vec<u8>, ReadError> {
-    nixl.read(offer, soon(), <[u8]>::to_vec)
+fn read(nixl: &Nixl, node: &str, offer: &Offer) -> Result<Vec<u8>, ReadError> {
+    nixl.read(node, offer, soon(), <[u8]>::to_vec)
 }
 
 #[test]
 fn a_peer_reads_what_another_agent_exposes_and_buffers_are_reused() {
-    let (holder, puller) = (agent("test-holder-a"), agent("test-puller-a"));
+    let (holder, puller) = (
+        agent("kvbm-holder-a-00000000000000a1"),
+        agent("kvbm-puller-a-00000000000000a2"),
+    );
+    let read = |nixl: &Nixl, offer: &Offer| read(nixl, "holder-a", offer);
     // As many exposures at once as the pool has buffers, of sizes that are not multiples of a
     // page, read out of order.
     let sizes = [4096, (2 << 20) + 17, 1];
@@ -94,7 +98,11 @@ fn a_peer_reads_what_another_agent_exposes_and_buffers_are_reused() {
 
 #[test]
 fn bad_offers_fail_cleanly_and_give_their_buffer_back() {
-    let (holder, puller) = (agent("test-holder-b"), agent("test-puller-b"));
+    let (holder, puller) = (
+        agent("kvbm-holder-b-00000000000000b1"),
+        agent("kvbm-puller-b-00000000000000b2"),
+    );
+    let read = |nixl: &Nixl, offer: &Offer| read(nixl, "holder-b", offer);
     let exposed = expose(&holder, &pattern(8192, 7)).unwrap();
     let offer = exposed.offer().clone();
     // Outside every buffer the holder registered.
@@ -128,5 +136,24 @@ fn bad_offers_fail_cleanly_and_give_their_buffer_back() {
     };
     assert!(matches!(read(&puller, &huge), Err(ReadError::TooLarge(_))));
     assert!(matches!(expose(&holder, &[]), Err(ReadError::Empty)));
+    // Metadata of another node's agent, offered by this one, is refused.
+    assert!(matches!(
+        puller.read("holder-c", &offer, soon(), <[u8]>::to_vec),
+        Err(ReadError::Impostor { .. })
+    ));
     assert_eq!(read(&puller, &offer).unwrap(), pattern(8192, 7));
+}
+
+#[test]
+fn a_restarted_peer_is_read_from_its_new_agent() {
+    let puller = agent("kvbm-puller-c-00000000000000c0");
+    for epoch in ["00000000000000c1", "00000000000000c2"] {
+        // The node's daemon restarts with a new agent name; the old one is dropped.
+        let holder = agent(&format!("kvbm-holder-c-{epoch}"));
+        let exposed = expose(&holder, &pattern(4096, 2)).unwrap();
+        assert_eq!(
+            read(&puller, "holder-c", exposed.offer()).unwrap(),
+            pattern(4096, 2)
+        );
+    }
 }

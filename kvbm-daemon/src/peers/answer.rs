@@ -49,19 +49,35 @@ pub async fn send(
         parent,
         via: exposure.as_ref().map(|e| e.offer.clone()),
     };
-    conn::within(io, conn::send(stream, &header)).await?;
+    let sent = conn::within(io, conn::send(stream, &header)).await;
     if let Some(exposure) = exposure {
         // The client reads within its own pull deadline; this end waits at most `io`.
-        let fetched = conn::within(io, conn::recv(stream)).await;
-        drop(exposure);
-        match fetched? {
-            Frame::Fetched { ok: true } => {
+        let fetched = match sent {
+            Ok(()) => conn::within(io, conn::recv(stream)).await,
+            Err(e) => Err(e),
+        };
+        match fetched {
+            Ok(Frame::Fetched { ok: true }) => {
+                drop(exposure);
                 metrics.fabric_served(FabricServe::Read);
                 return Ok(());
             }
-            Frame::Fetched { ok: false } => metrics.fabric_served(FabricServe::FellBack),
-            _ => return Err(ConnError::Protocol("expected fetched".into())),
+            // The client gave up on the fabric, perhaps with its read still running.
+            Ok(Frame::Fetched { ok: false }) => {
+                exposure.abandon();
+                metrics.fabric_served(FabricServe::FellBack);
+            }
+            other => {
+                exposure.abandon();
+                metrics.fabric_served(FabricServe::Abandoned);
+                return match other {
+                    Err(e) => Err(e),
+                    Ok(_) => Err(ConnError::Protocol("expected fetched".into())),
+                };
+            }
         }
+    } else {
+        sent?;
     }
     conn::within(io, async {
         for block in blocks {
@@ -98,10 +114,14 @@ async fn expose(
 }
 
 /// The client's side, after reading an answer's `blocks` header: the blocks, each checked
-/// against its sum. An offer on `fabric` is read by `deadline`; if that fails, or a block read
-/// there fails its sum, the client says so and takes the bytes from the connection.
+/// against its sum. An offer on `fabric` is read within half the time left before `deadline`
+/// (the other half is the fallback's); if that fails, or a block read there fails its sum, or
+/// less than [`MIN_FABRIC_TIME`] is left, the client says so and takes the bytes from the
+/// connection. `node` is the server's (authenticated) node.
+#[allow(clippy::too_many_arguments)]
 pub async fn receive(
     stream: &mut (impl AsyncRead + AsyncWrite + Unpin),
+    node: &str,
     block_bytes: usize,
     sums: &[u64],
     via: Option<Offer>,
@@ -113,8 +133,10 @@ pub async fn receive(
         .checked_mul(sums.len())
         .ok_or_else(|| ConnError::Protocol("answer size out of range".into()))?;
     if let Some(offer) = via {
+        let left = deadline.saturating_duration_since(Instant::now());
         let read = match fabric.filter(|f| f.name() == offer.fabric) {
-            Some(fabric) => read(fabric, offer, total, deadline).await,
+            Some(_) if left < MIN_FABRIC_TIME => Err(format!("only {left:?} left for the pull")),
+            Some(fabric) => read(fabric, node, offer, total, Instant::now() + left / 2).await,
             None => Err(format!(
                 "offered fabric {:?}, which this node did not ask for",
                 offer.fabric
@@ -143,15 +165,20 @@ pub async fn receive(
         .map_err(|i| ConnError::Protocol(format!("block {i} failed its checksum")))
 }
 
+/// Less time than this left for a pull, and an offer on a fabric is not tried.
+pub const MIN_FABRIC_TIME: Duration = Duration::from_millis(20);
+
 async fn read(
     fabric: &Arc<dyn Fabric>,
+    node: &str,
     offer: Offer,
     total: usize,
     deadline: Instant,
 ) -> Result<Vec<u8>, String> {
     let fabric = Arc::clone(fabric);
     let len = total as u64;
-    match tokio::task::spawn_blocking(move || fabric.read(&offer, len, deadline)).await {
+    let node = node.to_owned();
+    match tokio::task::spawn_blocking(move || fabric.read(&node, &offer, len, deadline)).await {
         Ok(Ok(bytes)) if bytes.len() == total => Ok(bytes),
         Ok(Ok(bytes)) => Err(format!("read {} bytes of {total}", bytes.len())),
         Ok(Err(e)) => Err(e.to_string()),
@@ -181,7 +208,7 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::peers::fabric::FabricError;
+    use crate::peers::fabric::{FabricError, Held};
 
     /// A fabric within one process: exposed buffers in a map shared by both ends; `corrupt`
     /// flips a byte of what it reads, `broken` fails every read, `refuse` every exposure.
@@ -192,10 +219,18 @@ mod tests {
         corrupt: bool,
         broken: bool,
         refuse: bool,
+        reads: std::sync::atomic::AtomicUsize,
     }
 
     #[derive(Debug)]
     struct Gone(Arc<Mutex<HashMap<u64, Vec<u8>>>>, u64);
+
+    impl Held for Gone {
+        fn abandon(self: Box<Self>) {
+            // Abandoned buffers are kept (a real fabric quarantines them).
+            std::mem::forget(self);
+        }
+    }
 
     impl Drop for Gone {
         fn drop(&mut self) {
@@ -229,11 +264,19 @@ mod tests {
                     metadata: b"md".to_vec(),
                     addr: *next,
                 },
-                guard: Box::new(Gone(Arc::clone(&self.exposed), *next)),
+                held: Box::new(Gone(Arc::clone(&self.exposed), *next)),
             })
         }
 
-        fn read(&self, offer: &Offer, len: u64, _: Instant) -> Result<Vec<u8>, FabricError> {
+        fn read(
+            &self,
+            _: &str,
+            offer: &Offer,
+            len: u64,
+            _: Instant,
+        ) -> Result<Vec<u8>, FabricError> {
+            self.reads
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if self.broken {
                 return Err(failure("broken"));
             }
@@ -282,7 +325,17 @@ mod tests {
                 panic!("expected blocks");
             };
             let deadline = Instant::now() + io;
-            receive(&mut far, 64, &sums, via, client.as_ref(), deadline, &pulled).await
+            receive(
+                &mut far,
+                "server",
+                64,
+                &sums,
+                via,
+                client.as_ref(),
+                deadline,
+                &pulled,
+            )
+            .await
         };
         let (sent, got) = tokio::join!(serve, take);
         sent.unwrap();
@@ -404,13 +457,99 @@ mod tests {
             }
         };
         let deadline = Instant::now() + Duration::from_secs(5);
-        let client = receive(&mut far, 64, &sums, Some(offer), None, deadline, &pulled);
+        let client = receive(
+            &mut far,
+            "server",
+            64,
+            &sums,
+            Some(offer),
+            None,
+            deadline,
+            &pulled,
+        );
         let ((), got) = tokio::join!(server, client);
         assert_eq!(got.unwrap(), blocks);
         assert_eq!(
             counts(&pulled),
             r#"kvgate_kvbm_peer_fabric_reads_total{outcome="fell_back"} 1"#
         );
+    }
+
+    #[tokio::test]
+    async fn a_client_gone_before_saying_fetched_leaves_the_buffer_abandoned() {
+        let (server, _) = shared();
+        let exposed = Arc::clone(&server.exposed);
+        let server: Arc<dyn Fabric> = Arc::new(server);
+        let (mut near, mut far) = tokio::io::duplex(1 << 20);
+        let served = PeerMetrics::default();
+        let blocks = blocks();
+        let answer = Answer {
+            block_bytes: 64,
+            parent: None,
+            blocks: &blocks,
+        };
+        let fabrics = vec!["fake".to_owned()];
+        let serve = send(
+            &mut near,
+            answer,
+            Some(&server),
+            &fabrics,
+            Duration::from_secs(5),
+            &served,
+        );
+        let client = async {
+            let header = conn::recv(&mut far).await.unwrap();
+            assert!(matches!(header, Frame::Blocks { via: Some(_), .. }));
+            drop(far);
+        };
+        let (sent, ()) = tokio::join!(serve, client);
+        assert!(sent.is_err());
+        assert_eq!(
+            counts(&served),
+            r#"kvgate_kvbm_peer_fabric_served_total{outcome="abandoned"} 1"#
+        );
+        // Not given back for reuse at once: the client may still be reading it.
+        assert_eq!(exposed.lock().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn with_too_little_time_left_the_fabric_is_not_tried() {
+        let (mut near, mut far) = tokio::io::duplex(1 << 20);
+        let (server, client) = shared();
+        let blocks = blocks();
+        let exposure = server.expose(&blocks).unwrap();
+        let sums: Vec<u64> = blocks.iter().map(|b| wire::sum(b)).collect();
+        let client = Arc::new(client);
+        let fabric: Arc<dyn Fabric> = Arc::clone(&client) as _;
+        let pulled = PeerMetrics::default();
+        let server_side = async {
+            assert_eq!(
+                conn::recv(&mut near).await.unwrap(),
+                Frame::Fetched { ok: false }
+            );
+            for b in &blocks {
+                near.write_all(b).await.unwrap();
+            }
+        };
+        let deadline = Instant::now() + MIN_FABRIC_TIME / 2;
+        let offer = Some(exposure.offer.clone());
+        let take = receive(
+            &mut far,
+            "server",
+            64,
+            &sums,
+            offer,
+            Some(&fabric),
+            deadline,
+            &pulled,
+        );
+        let ((), got) = tokio::join!(server_side, take);
+        assert_eq!(got.unwrap(), blocks);
+        assert_eq!(
+            counts(&pulled),
+            r#"kvgate_kvbm_peer_fabric_reads_total{outcome="fell_back"} 1"#
+        );
+        assert_eq!(client.reads.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 
     #[tokio::test]
@@ -422,6 +561,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(5);
         let got = receive(
             &mut far,
+            "server",
             64,
             &sums,
             None,

@@ -17,20 +17,48 @@ pub trait Fabric: Send + Sync + fmt::Debug {
     /// Its name on the wire (`fabrics` in `pull`, `fabric` in an offer).
     fn name(&self) -> &'static str;
 
-    /// Makes `blocks`, one after another, readable by the client until the returned exposure
-    /// is dropped. Blocking: call it where blocking is allowed.
+    /// Puts `blocks`, one after another, where the client can read them, and says where.
+    /// Dropping the exposure lets its buffer be reused at once (the client has read it);
+    /// [`Exposure::abandon`] keeps it out of use a while longer (the client may still be
+    /// reading). Blocking: call it where blocking is allowed.
     fn expose(&self, blocks: &[Bytes]) -> Result<Exposure, FabricError>;
 
-    /// Reads the `len` bytes `offer` exposes, by `deadline`. Blocking.
-    fn read(&self, offer: &Offer, len: u64, deadline: Instant) -> Result<Vec<u8>, FabricError>;
+    /// Reads the `len` bytes `offer` from the daemon of `node` exposes, by `deadline`.
+    /// Blocking.
+    fn read(
+        &self,
+        node: &str,
+        offer: &Offer,
+        len: u64,
+        deadline: Instant,
+    ) -> Result<Vec<u8>, FabricError>;
 }
 
-/// Bytes exposed on a fabric, until this is dropped.
+/// Bytes exposed on a fabric.
 pub struct Exposure {
     /// What the client needs to read them.
     pub offer: Offer,
-    /// Keeps the bytes exposed; dropping it withdraws them.
-    pub guard: Box<dyn Send + Sync>,
+    /// Holds the buffer; dropping it frees the buffer for reuse.
+    pub held: Box<dyn Held>,
+}
+
+/// What keeps an exposure's buffer.
+pub trait Held: Send + Sync {
+    /// The client may still be reading: keep the buffer out of use a while longer.
+    fn abandon(self: Box<Self>);
+}
+
+impl Exposure {
+    /// The client may still be reading: keep the buffer out of use a while longer.
+    pub fn abandon(self) {
+        self.held.abandon();
+    }
+}
+
+impl Held for kvbm_nixl::Exposed {
+    fn abandon(self: Box<Self>) {
+        self.quarantine();
+    }
 }
 
 impl fmt::Debug for Exposure {
@@ -99,18 +127,24 @@ impl Fabric for NixlFabric {
         };
         Ok(Exposure {
             offer,
-            guard: Box::new(exposed),
+            held: Box::new(exposed),
         })
     }
 
-    fn read(&self, offer: &Offer, len: u64, deadline: Instant) -> Result<Vec<u8>, FabricError> {
+    fn read(
+        &self,
+        node: &str,
+        offer: &Offer,
+        len: u64,
+        deadline: Instant,
+    ) -> Result<Vec<u8>, FabricError> {
         let offer = kvbm_nixl::Offer {
             metadata: offer.metadata.clone(),
             addr: offer.addr,
             len,
         };
         self.0
-            .read(&offer, deadline, <[u8]>::to_vec)
+            .read(node, &offer, deadline, <[u8]>::to_vec)
             .map_err(Self::error)
     }
 }

@@ -30,9 +30,12 @@ pub enum FabricServe {
     FellBack = 1,
     /// It could not be exposed: sent on the connection.
     Failed = 2,
+    /// Exposed, but the connection failed or the client broke the protocol before saying
+    /// whether it read it.
+    Abandoned = 3,
 }
 
-const FABRIC_SERVES: [&str; 3] = ["read", "fell_back", "not_exposed"];
+const FABRIC_SERVES: [&str; 4] = ["read", "fell_back", "not_exposed", "abandoned"];
 
 /// The peer counters and gauges.
 #[derive(Debug)]
@@ -44,7 +47,7 @@ pub struct PeerMetrics {
     pulled_bytes: AtomicU64,
     pull_seconds: Histogram,
     fabric_reads: [AtomicU64; 2],
-    fabric_serves: [AtomicU64; 3],
+    fabric_serves: [AtomicU64; 4],
     /// Pulls served to peers.
     pub served_pulls: AtomicU64,
     /// Blocks served to peers.
@@ -238,7 +241,7 @@ impl PeerMetrics {
         e.family(
             "kvgate_kvbm_peer_fabric_served_total",
             Kind::Counter,
-            "Answers served to peers that named this node's fabric, by outcome: read there, fell_back to the connection at the client's word, or not_exposed (sent on the connection).",
+            "Answers served to peers that named this node's fabric, by outcome: read there, fell_back to the connection at the client's word, not_exposed (sent on the connection), or abandoned (the connection failed or the client broke the protocol first).",
         );
         for (outcome, c) in FABRIC_SERVES.iter().zip(&self.fabric_serves) {
             e.sample(

@@ -137,6 +137,7 @@ async fn exchange(
         .map_err(|_| ConnError::Protocol("block size out of range".into()))?;
     let blocks = answer::receive(
         &mut stream,
+        &server,
         len,
         &sums,
         via,
