@@ -14,8 +14,9 @@ use crate::BACKEND;
 use crate::buffer::HostBuffer;
 use crate::load::{self, LoadError};
 
-/// How long a buffer whose transfer failed or outlived its caller's deadline is kept out of the
-/// pool: NIXL may still write into it (a failed status does not always mean UCX has stopped).
+/// How long a buffer whose transfer failed (or an exposure nobody confirmed) is kept out of the
+/// pool, on the assumption that UCX has stopped by then (a failed status does not say so), and
+/// how long a read past its deadline is still waited for before its buffer is leaked.
 const QUARANTINE: Duration = Duration::from_secs(30);
 
 /// Microseconds the agent's progress thread sleeps between rounds.
@@ -116,8 +117,70 @@ pub struct Nixl {
     agent: Arc<Agent>,
     name: String,
     pool: Shared,
-    /// Each peer node's loaded agent, in load order (a node's restart names a new agent).
-    remotes: Mutex<Vec<(String, String)>>,
+    /// Loaded peer agents.
+    remotes: Mutex<Remotes>,
+}
+
+/// The peer agents loaded: each node's current one, least recently used first, and agents
+/// retired (a node's previous incarnation, or evicted) but not yet dropped from NIXL, since a
+/// read of this process may still run against them until its quarantine ends.
+#[derive(Debug, Default)]
+struct Remotes {
+    current: Vec<(String, String)>,
+    retired: Vec<(Instant, String)>,
+}
+
+impl Remotes {
+    /// `agent` is `node`'s and was just used: it moves to the back; the node's previous agent
+    /// and the least recently used beyond [`MAX_REMOTES`] are retired. Returns the retired
+    /// agents old enough to drop from NIXL now.
+    fn used(&mut self, node: &str, agent: &str, now: Instant) -> Vec<String> {
+        let mut retire = Vec::new();
+        self.current.retain(|(n, a)| {
+            let keep = n != node && a != agent;
+            if n == node && a != agent {
+                retire.push(a.clone());
+            }
+            keep
+        });
+        self.current.push((node.to_owned(), agent.to_owned()));
+        while self.current.len() > MAX_REMOTES {
+            retire.push(self.current.remove(0).1);
+        }
+        // An agent used again is no longer retired.
+        self.retired.retain(|(_, a)| a != agent);
+        self.retired.extend(retire.into_iter().map(|a| (now, a)));
+        let mut drop_now = Vec::new();
+        self.retired.retain(|(at, a)| {
+            let old = now.saturating_duration_since(*at) > RETIRE_AFTER;
+            if old {
+                drop_now.push(a.clone());
+            }
+            !old
+        });
+        drop_now
+    }
+}
+
+/// How long a retired agent stays loaded: longer than any read of this process can run
+/// against it (its pull's deadline, then its quarantine).
+const RETIRE_AFTER: Duration = Duration::from_secs(120);
+
+/// The agent name at the head of NIXL metadata (`nixlSerDes|`, the tag `Agent`, a native
+/// `size_t` length, the name, `|`), read without handing the metadata to NIXL.
+pub fn metadata_agent(metadata: &[u8]) -> Option<&str> {
+    const LEN: usize = std::mem::size_of::<usize>();
+    let rest = metadata.strip_prefix(b"nixlSerDes|Agent")?;
+    let (len, rest) = rest.split_first_chunk::<LEN>()?;
+    let len = usize::from_ne_bytes(*len);
+    if len == 0 || len > 512 {
+        return None;
+    }
+    let name = rest.get(..len)?;
+    if rest.get(len) != Some(&b'|') {
+        return None;
+    }
+    std::str::from_utf8(name).ok()
 }
 
 impl std::fmt::Debug for Nixl {
@@ -210,7 +273,7 @@ impl Nixl {
                 made: 0,
                 leaked: 0,
             })),
-            remotes: Mutex::new(Vec::new()),
+            remotes: Mutex::new(Remotes::default()),
         })
     }
 
@@ -293,36 +356,28 @@ impl Nixl {
         })
     }
 
-    /// Loads `node`'s agent from `metadata`, refusing one named for another node, and drops the
-    /// agent the node had before (a restart) and the oldest beyond [`MAX_REMOTES`].
+    /// Loads `node`'s agent from `metadata`, refusing (before NIXL sees it) metadata that does
+    /// not name that node's agent, and retires the agent the node had before (a restart) and
+    /// the least recently used beyond [`MAX_REMOTES`].
     fn remote(&self, node: &str, metadata: &[u8]) -> Result<String, ReadError> {
+        let named = metadata_agent(metadata).unwrap_or_default();
+        if !agent_name_of(node, named) {
+            return Err(ReadError::Impostor {
+                node: node.to_owned(),
+                agent: named.to_owned(),
+            });
+        }
         let agent = self
             .agent
             .load_remote_md(metadata)
             .map_err(nixl("load remote metadata"))?;
-        if !agent_name_of(node, &agent) {
-            let _ = self.agent.invalidate_remote_md(&agent);
+        if agent != named {
             return Err(ReadError::Impostor {
                 node: node.to_owned(),
                 agent,
             });
         }
-        let mut remotes = lock(&self.remotes);
-        let mut stale: Vec<String> = Vec::new();
-        remotes.retain(|(n, a)| {
-            let keep = n != node || *a == agent;
-            if !keep {
-                stale.push(a.clone());
-            }
-            keep
-        });
-        if !remotes.iter().any(|(_, a)| *a == agent) {
-            remotes.push((node.to_owned(), agent.clone()));
-        }
-        while remotes.len() > MAX_REMOTES {
-            stale.push(remotes.remove(0).1);
-        }
-        drop(remotes);
+        let stale = lock(&self.remotes).used(node, &agent, Instant::now());
         for old in stale {
             tracing::debug!(agent = %old, "NIXL agent of a restarted or forgotten peer dropped");
             let _ = self.agent.invalidate_remote_md(&old);
@@ -355,6 +410,10 @@ impl Nixl {
                 .map_err(nixl("create transfer"))
         })();
         let request = match request {
+            Ok(_) if Instant::now() >= deadline => {
+                self.give_back(slot);
+                return Err(ReadError::Timeout);
+            }
             Ok(r) => r,
             Err(e) => {
                 self.give_back(slot);
@@ -508,6 +567,60 @@ impl Drop for Late {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_agent_name_is_read_from_the_head_of_the_metadata() {
+        let md = |name: &[u8], len: usize, end: u8| {
+            let mut v = b"nixlSerDes|Agent".to_vec();
+            v.extend_from_slice(&len.to_ne_bytes());
+            v.extend_from_slice(name);
+            v.push(end);
+            v.extend_from_slice(b"Conns...");
+            v
+        };
+        let good = md(b"kvbm-a-0000000000000001", 23, b'|');
+        assert_eq!(metadata_agent(&good), Some("kvbm-a-0000000000000001"));
+        assert_eq!(metadata_agent(&md(b"holder", 6, b'|')), Some("holder"));
+        for bad in [
+            md(b"holder", 7, b'|'),
+            md(b"holder", 6, b'x'),
+            md(b"holder", 0, b'|'),
+            md(b"\xff\xfe", 2, b'|'),
+            md(b"holder", usize::MAX, b'|'),
+            b"nixlSerDes|Conns".to_vec(),
+            b"nixlSerDes|Agent\x06".to_vec(),
+            Vec::new(),
+        ] {
+            assert_eq!(metadata_agent(&bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn remotes_keep_one_agent_per_node_and_retire_the_rest_late() {
+        let t0 = Instant::now();
+        let mut r = Remotes::default();
+        assert!(r.used("a", "kvbm-a-1", t0).is_empty());
+        assert!(r.used("b", "kvbm-b-1", t0).is_empty());
+        // a restarts: its old agent is retired, not dropped while a read may run against it.
+        assert!(r.used("a", "kvbm-a-2", t0).is_empty());
+        assert_eq!(r.current.len(), 2);
+        assert_eq!(r.retired.len(), 1);
+        // Used again, b moves to the back (least recently used first).
+        assert!(r.used("b", "kvbm-b-1", t0).is_empty());
+        assert_eq!(r.current.last().unwrap().1, "kvbm-b-1");
+        // Long after, the next use drops the retired agent.
+        let later = t0 + RETIRE_AFTER + Duration::from_secs(1);
+        assert_eq!(r.used("b", "kvbm-b-1", later), vec!["kvbm-a-1".to_owned()]);
+        assert!(r.retired.is_empty());
+        // Beyond the bound, the least recently used is retired; one used again is un-retired.
+        for i in 0..MAX_REMOTES {
+            r.used(&format!("n{i}"), &format!("kvbm-n{i}-1"), later);
+        }
+        assert_eq!(r.current.len(), MAX_REMOTES);
+        assert!(r.retired.iter().any(|(_, a)| a == "kvbm-a-2"));
+        r.used("a", "kvbm-a-2", later);
+        assert!(!r.retired.iter().any(|(_, a)| a == "kvbm-a-2"));
+    }
 
     #[test]
     fn agent_names_belong_to_their_node() {

@@ -110,7 +110,20 @@ fn bad_offers_fail_cleanly_and_give_their_buffer_back() {
         addr: offer.addr + 2 * POOL.buffer_bytes as u64,
         ..offer.clone()
     };
+    // The right agent name at its head, then garbage: NIXL refuses the rest.
+    let head = 16 + std::mem::size_of::<usize>() + "kvbm-holder-b-00000000000000b1".len() + 1;
+    let mut truncated = offer.metadata[..head].to_vec();
+    truncated.extend_from_slice(b"garbage");
+    assert_eq!(
+        kvbm_nixl::metadata_agent(&truncated),
+        Some("kvbm-holder-b-00000000000000b1")
+    );
     let garbage = Offer {
+        metadata: truncated,
+        ..offer.clone()
+    };
+    // Not metadata at all: refused before NIXL sees it.
+    let nonsense = Offer {
         metadata: b"not metadata".to_vec(),
         ..offer.clone()
     };
@@ -123,6 +136,10 @@ fn bad_offers_fail_cleanly_and_give_their_buffer_back() {
         assert!(matches!(
             read(&puller, &garbage),
             Err(ReadError::Nixl { .. })
+        ));
+        assert!(matches!(
+            read(&puller, &nonsense),
+            Err(ReadError::Impostor { .. })
         ));
     }
     let empty = Offer {

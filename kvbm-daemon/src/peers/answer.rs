@@ -62,9 +62,10 @@ pub async fn send(
                 metrics.fabric_served(FabricServe::Read);
                 return Ok(());
             }
-            // The client gave up on the fabric, perhaps with its read still running.
+            // The client gave up on the fabric. Its read, if one still runs, only reads this
+            // buffer, and it has stopped waiting for those bytes: the buffer is reused at once.
             Ok(Frame::Fetched { ok: false }) => {
-                exposure.abandon();
+                drop(exposure);
                 metrics.fabric_served(FabricServe::FellBack);
             }
             other => {
