@@ -487,6 +487,7 @@ async fn answers_travel_through_nixl_between_nodes_that_both_have_it() {
         1.0
     );
     assert_eq!(metric(&mb, "kvgate_kvbm_peer_pulled_blocks_total "), 4.0);
+    assert_eq!(metric(&mb, "kvgate_kvbm_peer_fabric_leaked_buffers "), 0.0);
     assert_eq!(
         metric(&mc, r#"kvgate_kvbm_peer_fabric_reads_total{outcome="ok"}"#),
         0.0

@@ -23,6 +23,11 @@ pub trait Fabric: Send + Sync + fmt::Debug {
     /// reading). Blocking: call it where blocking is allowed.
     fn expose(&self, blocks: &[Bytes]) -> Result<Exposure, FabricError>;
 
+    /// Buffers given up on so far (a transfer still ran long after its deadline).
+    fn leaked_buffers(&self) -> u64 {
+        0
+    }
+
     /// Reads the `len` bytes `offer` from the daemon of `node` exposes, by `deadline`.
     /// Blocking.
     fn read(
@@ -106,6 +111,10 @@ impl NixlFabric {
 impl Fabric for NixlFabric {
     fn name(&self) -> &'static str {
         Self::NAME
+    }
+
+    fn leaked_buffers(&self) -> u64 {
+        self.0.leaked_buffers() as u64
     }
 
     fn expose(&self, blocks: &[Bytes]) -> Result<Exposure, FabricError> {

@@ -48,6 +48,8 @@ pub struct PeerMetrics {
     pull_seconds: Histogram,
     fabric_reads: [AtomicU64; 2],
     fabric_serves: [AtomicU64; 4],
+    /// Fabric buffers given up on (published with the directory's gauges).
+    pub fabric_leaked: AtomicU64,
     /// Pulls served to peers.
     pub served_pulls: AtomicU64,
     /// Blocks served to peers.
@@ -80,6 +82,7 @@ impl Default for PeerMetrics {
             pull_seconds: Histogram::new(buckets::SECONDS),
             fabric_reads: Default::default(),
             fabric_serves: Default::default(),
+            fabric_leaked: AtomicU64::new(0),
             served_pulls: AtomicU64::new(0),
             served_blocks: AtomicU64::new(0),
             served_bytes: AtomicU64::new(0),
@@ -238,6 +241,13 @@ impl PeerMetrics {
                 get(c),
             );
         }
+        e.single(
+            "kvgate_kvbm_peer_fabric_leaked_buffers",
+            Kind::Gauge,
+            "Fabric (NIXL) buffers given up on: a read still ran 30 s after its deadline, so its buffer was leaked and the pool is that much smaller.",
+            &[],
+            get(&self.fabric_leaked),
+        );
         e.family(
             "kvgate_kvbm_peer_fabric_served_total",
             Kind::Counter,

@@ -73,6 +73,11 @@ impl Peers {
         candidates.best(keys)
     }
 
+    /// Fabric buffers given up on so far (0 without a fabric).
+    pub fn fabric_leaked_buffers(&self) -> u64 {
+        self.pull.fabric.as_ref().map_or(0, |f| f.leaked_buffers())
+    }
+
     /// A pull from `holding`'s peer failed: pass it over for a while.
     pub fn failed(&self, holding: &Holding) {
         let now = self.now();
