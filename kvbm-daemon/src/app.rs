@@ -78,10 +78,10 @@ pub enum AppError {
     #[error(transparent)]
     PeerSecret(#[from] SecretError),
     /// `--peer-fabric nixl`, but NIXL could not be loaded.
-    #[error("--peer-fabric nixl: {0}")]
+    #[error("--peer-fabric nixl: NIXL cannot be used")]
     Fabric(#[source] kvbm_nixl::LoadError),
     /// Loading NIXL panicked.
-    #[error("--peer-fabric nixl: loading NIXL failed: {0}")]
+    #[error("--peer-fabric nixl: loading NIXL panicked")]
     FabricTask(#[source] tokio::task::JoinError),
     /// The peer port could not be bound.
     #[error("peer server on {addr}: {source}")]

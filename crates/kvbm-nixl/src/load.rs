@@ -8,7 +8,7 @@
 #![allow(unsafe_code)]
 
 use std::path::Path;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use crate::LIBRARY;
 use crate::symbols::SYMBOLS;
@@ -36,16 +36,17 @@ pub enum ProbeError {
     /// The C API library could not be opened (absent from the library path, or one of its own
     /// libraries missing).
     #[error(
-        "{LIBRARY} could not be loaded ({0}); install NIXL, or give the library's path or put its directory on LD_LIBRARY_PATH"
+        "{LIBRARY} could not be loaded: install NIXL, or give the library's path or put its directory on LD_LIBRARY_PATH"
     )]
-    Library(String),
+    Library(#[source] Arc<libloading::Error>),
     /// The library is there but is not NIXL's C API (a symbol is missing).
-    #[error("{LIBRARY} has no symbol {symbol} ({message}); another NIXL version?")]
+    #[error("{LIBRARY} has no symbol {symbol}; another NIXL version?")]
     Symbol {
         /// The missing symbol.
         symbol: &'static str,
         /// What the loader said.
-        message: String,
+        #[source]
+        source: Arc<libloading::Error>,
     },
 }
 
@@ -67,7 +68,7 @@ fn open(path: Option<&Path>) -> Result<libloading::Library, ProbeError> {
     // SAFETY: loading a shared library runs its initialisers. NIXL's are those the `stub-api`
     // bindings would run anyway when they open the same library on their first call.
     let library =
-        unsafe { libloading::Library::new(&name) }.map_err(|e| ProbeError::Library(chain(&e)))?;
+        unsafe { libloading::Library::new(&name) }.map_err(|e| ProbeError::Library(Arc::new(e)))?;
     for &symbol in SYMBOLS {
         // SAFETY: the symbol is only looked up, never called through this pointer, so the type
         // given (a pointer-sized function pointer) is not relied upon.
@@ -75,23 +76,11 @@ fn open(path: Option<&Path>) -> Result<libloading::Library, ProbeError> {
         if let Err(e) = found {
             return Err(ProbeError::Symbol {
                 symbol,
-                message: chain(&e),
+                source: Arc::new(e),
             });
         }
     }
     Ok(library)
-}
-
-/// An error and its sources, as one line (libloading puts the loader's message in the source).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut next = e.source();
-    while let Some(cause) = next {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        next = cause.source();
-    }
-    out
 }
 
 #[cfg(test)]
@@ -102,10 +91,12 @@ mod tests {
     fn a_missing_library_or_one_that_is_not_nixl_is_refused_with_the_reason() {
         let missing = open(Some(Path::new("/nonexistent/libnixl_capi.so")));
         match missing {
-            Err(ProbeError::Library(message)) => {
+            Err(e @ ProbeError::Library(_)) => {
+                // The loader's message, naming the path, is in the error's sources.
+                let rendered = cli_support::render(&e);
                 assert!(
-                    message.contains("/nonexistent/libnixl_capi.so"),
-                    "{message}"
+                    rendered.contains("/nonexistent/libnixl_capi.so"),
+                    "{rendered}"
                 );
             }
             other => panic!("expected a library error, got {other:?}"),

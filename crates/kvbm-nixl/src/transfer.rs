@@ -98,7 +98,6 @@ struct Slot {
 
 #[derive(Debug)]
 struct Pool {
-    config: PoolConfig,
     free: Vec<Slot>,
     /// Buffers registered or being registered (free, in use, quarantined).
     made: usize,
@@ -116,6 +115,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct Nixl {
     agent: Arc<Agent>,
     name: String,
+    config: PoolConfig,
     pool: Shared,
     /// Loaded peer agents.
     remotes: Mutex<Remotes>,
@@ -267,8 +267,8 @@ impl Nixl {
         Ok(Self {
             agent: Arc::new(agent),
             name: name.to_owned(),
+            config: pool,
             pool: Arc::new(Mutex::new(Pool {
-                config: pool,
                 free: Vec::new(),
                 made: 0,
                 leaked: 0,
@@ -290,17 +290,17 @@ impl Nixl {
     /// A free pool buffer, or a new one (registered outside the pool's lock) while fewer than
     /// the pool's size exist.
     fn take(&self) -> Result<Slot, ReadError> {
-        let bytes = {
+        {
             let mut pool = lock(&self.pool);
             if let Some(slot) = pool.free.pop() {
                 return Ok(slot);
             }
-            if pool.made >= pool.config.buffers {
-                return Err(ReadError::Busy(pool.config.buffers));
+            if pool.made >= self.config.buffers {
+                return Err(ReadError::Busy(self.config.buffers));
             }
             pool.made += 1;
-            pool.config.buffer_bytes
-        };
+        }
+        let bytes = self.config.buffer_bytes;
         let made = (|| {
             let buffer = HostBuffer::new(vec![0; bytes]);
             let registration = self
@@ -325,7 +325,7 @@ impl Nixl {
     }
 
     fn check_len(&self, len: u64) -> Result<usize, ReadError> {
-        let max = lock(&self.pool).config.buffer_bytes;
+        let max = self.config.buffer_bytes;
         match usize::try_from(len) {
             Ok(0) => Err(ReadError::Empty),
             Ok(n) if n <= max => Ok(n),
