@@ -374,7 +374,7 @@ async fn serve(args: Args) -> Result<(), AppError> {
 /// A NIXL agent for `--peer-fabric nixl`, named after the node and this run's epoch (peers
 /// key the metadata they load by agent name).
 async fn load_nixl(args: &Args, epoch: u64) -> Result<Arc<dyn Fabric>, AppError> {
-    let name = format!("kvbm-{}-{epoch:016x}", args.node);
+    let name = kvbm_nixl::agent_name(&args.node, epoch);
     let library = args.nixl_library.clone();
     let pool = kvbm_nixl::PoolConfig {
         buffers: args.nixl_buffers,

@@ -19,7 +19,7 @@ mod symbols;
 mod transfer;
 
 pub use load::{LoadError, ProbeError};
-pub use transfer::{Exposed, Nixl, Offer, PoolConfig, ReadError, agent_name_of, metadata_agent};
+pub use transfer::{Exposed, Nixl, Offer, PoolConfig, ReadError, agent_name, metadata_agent};
 
 /// The NIXL backend plugin every agent creates.
 pub const BACKEND: &str = "UCX";

@@ -221,8 +221,14 @@ impl Drop for Exposed {
     }
 }
 
-/// The agent name of `node`'s daemon: `kvbm-<node>-<16 hex digits>`.
-pub fn agent_name_of(node: &str, agent: &str) -> bool {
+/// The agent name of `node`'s daemon in its run `epoch`: `kvbm-<node>-<16 hex digits>` (peers
+/// check it with [`agent_name_of`]; a restart names a new agent).
+pub fn agent_name(node: &str, epoch: u64) -> String {
+    format!("kvbm-{node}-{epoch:016x}")
+}
+
+/// Whether `agent` is an agent name of `node`'s daemon ([`agent_name`]).
+fn agent_name_of(node: &str, agent: &str) -> bool {
     agent
         .strip_prefix("kvbm-")
         .and_then(|rest| rest.strip_prefix(node))
@@ -625,6 +631,9 @@ mod tests {
     #[test]
     fn agent_names_belong_to_their_node() {
         assert!(agent_name_of("gpu-1", "kvbm-gpu-1-00ff00ff00ff00ff"));
+        for epoch in [0, 1, u64::MAX] {
+            assert!(agent_name_of("gpu-1", &agent_name("gpu-1", epoch)));
+        }
         for (node, agent) in [
             ("gpu-1", "kvbm-gpu-2-00ff00ff00ff00ff"),
             ("gpu-1", "kvbm-gpu-1-00ff00ff00ff00f"),

@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvbm_nixl::{Nixl, Offer, PoolConfig, ReadError};
+use kvbm_nixl::{Nixl, Offer, PoolConfig, ReadError, agent_name};
 
 const POOL: PoolConfig = PoolConfig {
     buffers: 3,
@@ -50,8 +50,8 @@ fn read(nixl: &Nixl, node: &str, offer: &Offer) -> Result<Vec<u8>, ReadError> {
 #[test]
 fn a_peer_reads_what_another_agent_exposes_and_buffers_are_reused() {
     let (holder, puller) = (
-        agent("kvbm-holder-a-00000000000000a1"),
-        agent("kvbm-puller-a-00000000000000a2"),
+        agent(&agent_name("holder-a", 0xa1)),
+        agent(&agent_name("puller-a", 0xa2)),
     );
     let read = |nixl: &Nixl, offer: &Offer| read(nixl, "holder-a", offer);
     // As many exposures at once as the pool has buffers, of sizes that are not multiples of a
@@ -99,8 +99,8 @@ fn a_peer_reads_what_another_agent_exposes_and_buffers_are_reused() {
 #[test]
 fn bad_offers_fail_cleanly_and_give_their_buffer_back() {
     let (holder, puller) = (
-        agent("kvbm-holder-b-00000000000000b1"),
-        agent("kvbm-puller-b-00000000000000b2"),
+        agent(&agent_name("holder-b", 0xb1)),
+        agent(&agent_name("puller-b", 0xb2)),
     );
     let read = |nixl: &Nixl, offer: &Offer| read(nixl, "holder-b", offer);
     let exposed = expose(&holder, &pattern(8192, 7)).unwrap();
@@ -111,13 +111,11 @@ fn bad_offers_fail_cleanly_and_give_their_buffer_back() {
         ..offer.clone()
     };
     // The right agent name at its head, then garbage: NIXL refuses the rest.
-    let head = 16 + std::mem::size_of::<usize>() + "kvbm-holder-b-00000000000000b1".len() + 1;
+    let name = agent_name("holder-b", 0xb1);
+    let head = 16 + std::mem::size_of::<usize>() + name.len() + 1;
     let mut truncated = offer.metadata[..head].to_vec();
     truncated.extend_from_slice(b"garbage");
-    assert_eq!(
-        kvbm_nixl::metadata_agent(&truncated),
-        Some("kvbm-holder-b-00000000000000b1")
-    );
+    assert_eq!(kvbm_nixl::metadata_agent(&truncated), Some(name.as_str()));
     let garbage = Offer {
         metadata: truncated,
         ..offer.clone()
@@ -163,10 +161,10 @@ fn bad_offers_fail_cleanly_and_give_their_buffer_back() {
 
 #[test]
 fn a_restarted_peer_is_read_from_its_new_agent() {
-    let puller = agent("kvbm-puller-c-00000000000000c0");
-    for epoch in ["00000000000000c1", "00000000000000c2"] {
+    let puller = agent(&agent_name("puller-c", 0xc0));
+    for epoch in [0xc1, 0xc2] {
         // The node's daemon restarts with a new agent name; the old one is dropped.
-        let holder = agent(&format!("kvbm-holder-c-{epoch}"));
+        let holder = agent(&agent_name("holder-c", epoch));
         let exposed = expose(&holder, &pattern(4096, 2)).unwrap();
         assert_eq!(
             read(&puller, "holder-c", exposed.offer()).unwrap(),
