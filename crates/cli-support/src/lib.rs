@@ -90,6 +90,19 @@ pub fn render<E: Error + ?Sized>(err: &E) -> String {
     out
 }
 
+/// An error and its causes on one line (`a: b: c`), for log fields and error bodies (hyper's
+/// and reqwest's top-level errors say little alone).
+pub fn one_line<E: Error + ?Sized>(err: &E) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
+}
+
 /// Turns a binary's result into its exit code, printing the error if any.
 pub fn exit<E: Error + ExitStatus>(result: Result<(), E>) -> ExitCode {
     match result {
@@ -153,6 +166,36 @@ mod tests {
         assert_eq!(
             log_directives(Some("  ")),
             "info,kube_client::client::builder=off"
+        );
+    }
+
+    #[derive(Debug)]
+    struct Wrapped(&'static str, Option<Box<Wrapped>>);
+    impl std::fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+    impl Error for Wrapped {
+        fn source(&self) -> Option<&(dyn Error + 'static)> {
+            self.1.as_deref().map(|e| e as _)
+        }
+    }
+
+    #[test]
+    fn one_line_joins_every_cause() {
+        let e = Wrapped(
+            "connect failed",
+            Some(Box::new(Wrapped(
+                "tcp",
+                Some(Box::new(Wrapped("connection refused", None))),
+            ))),
+        );
+        assert_eq!(one_line(&e), "connect failed: tcp: connection refused");
+        assert_eq!(one_line(&Wrapped("alone", None)), "alone");
+        assert_eq!(
+            render(&e),
+            "error: connect failed\n  caused by: tcp\n  caused by: connection refused"
         );
     }
 

@@ -210,7 +210,9 @@ impl Client {
         };
         let response = match self.http.request(request).await {
             Ok(r) => r,
-            Err(e) => return progress.fail(Status::Transport, started, error_chain(&e)),
+            Err(e) => {
+                return progress.fail(Status::Transport, started, cli_support::one_line(&e));
+            }
         };
         progress.http_status = Some(response.status().as_u16());
         progress.endpoint = response
@@ -232,7 +234,11 @@ impl Client {
                     } else {
                         Status::HttpError
                     };
-                    return progress.fail(status, started, format!("body: {}", error_chain(&e)));
+                    return progress.fail(
+                        status,
+                        started,
+                        format!("body: {}", cli_support::one_line(&e)),
+                    );
                 }
             };
             let Ok(data) = frame.into_data() else {
@@ -310,18 +316,6 @@ impl Progress {
             error,
         }
     }
-}
-
-/// An error and its causes on one line (hyper's top-level errors say little alone).
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    out
 }
 
 #[cfg(test)]

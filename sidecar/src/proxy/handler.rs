@@ -236,7 +236,7 @@ pub(super) fn engine_error(
             limit: state.max_body,
         }
     } else {
-        ProxyError::Engine(super::prefill::error_chain(e))
+        ProxyError::Engine(cli_support::one_line(e))
     }
 }
 

@@ -282,7 +282,7 @@ async fn send(
     let resp = client
         .request(out)
         .await
-        .map_err(|e| ProxyError::Engine(super::prefill::error_chain(&e)))?;
+        .map_err(|e| ProxyError::Engine(cli_support::one_line(&e)))?;
     if resp.status() != axum::http::StatusCode::OK {
         return Err(ProxyError::Engine(format!(
             "{target} answered {}",

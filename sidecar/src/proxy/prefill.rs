@@ -201,7 +201,7 @@ async fn once<L: Leg>(
         HeaderValue::from_static("application/json"),
     );
     let resp = client.request(req).await.map_err(|e| {
-        let chain = error_chain(&e);
+        let chain = cli_support::one_line(&e);
         if e.is_connect() {
             AttemptError::new(Failure::Connect, format!("connect failed: {chain}"))
         } else {
@@ -241,18 +241,6 @@ async fn once<L: Leg>(
     L::read(&bytes)
         .map(Prefilled::Ready)
         .map_err(|reason| AttemptError::new(Failure::BadResponse, reason))
-}
-
-/// An error and its causes on one line (`a: b: c`).
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        out.push_str(": ");
-        out.push_str(&c.to_string());
-        cur = c.source();
-    }
-    out
 }
 
 #[cfg(test)]
