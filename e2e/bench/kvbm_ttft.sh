@@ -3,10 +3,13 @@
 # (docs/benchmarks.md § "The block manager in the data path").
 #
 # The Mooncake conversation trace on N `small` kvgate-sim engines whose GPU caches are far
-# smaller than the working set (--num-gpu-blocks), through Envoy + kvgate-epp (kv policy), three
-# times on fresh release stacks: without the block manager; with it, host memory only; with it,
-# a small host memory and a large disk. Then the same three configurations in the replay
-# (`kvgate-bench replay --kvbm-host-gib/--kvbm-disk-gib`), its prediction.
+# smaller than the working set (--num-gpu-blocks), through Envoy + kvgate-epp (kv policy), on
+# fresh release stacks: without the block manager; with it, host memory only (once per size in
+# HOST_GIBS); with it, a small host memory and a large disk. Then the same configurations in
+# the replay (`kvgate-bench replay --kvbm-host-gib/--kvbm-disk-gib`), its prediction.
+#
+# The default sizes are a node's share for 4 GPUs: a DGX H100 has 2 TiB of memory and 30 TB
+# of NVMe for 8, so 1 TiB of host memory is half its memory; 256 GiB shows a smaller node.
 #
 # The real KV volume (2 MiB per block) is more than a two-core machine can copy at the trace's
 # rate, so live blocks carry PAYLOAD bytes (`kvgate-sim --kvbm-payload-bytes`): the engines
@@ -16,8 +19,8 @@
 #
 #   e2e/bench/kvbm_ttft.sh [engines] [trace-seconds] [speedup]
 # Environment: CARGO_TARGET_DIR; TIME_SCALE (2); GPU_BLOCKS (8300); PAYLOAD (16384);
-# HOST_GIB (256, host only); SMALL_HOST_GIB (32) and DISK_GIB (512) (host + disk); OUT (a temp
-# directory: records and logs).
+# HOST_GIBS ("256 1024": the host-only runs); SMALL_HOST_GIB (128) and DISK_GIB (2048) (host +
+# disk; DISK_GIB=0 skips it); OUT (a temp directory: records and logs).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -27,9 +30,9 @@ speedup=${3:-1}
 scale=${TIME_SCALE:-2}
 gpu_blocks=${GPU_BLOCKS:-8300}
 payload=${PAYLOAD:-16384}
-host_gib=${HOST_GIB:-256}
-small_host_gib=${SMALL_HOST_GIB:-32}
-disk_gib=${DISK_GIB:-512}
+host_gibs=${HOST_GIBS:-256 1024}
+small_host_gib=${SMALL_HOST_GIB:-128}
+disk_gib=${DISK_GIB:-2048}
 target=${CARGO_TARGET_DIR:-$root/target}
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
@@ -64,11 +67,19 @@ replay() { # $1 = label, rest = extra replay flags
 
 payload_arg=--engine-arg=--kvbm-payload-bytes=$payload
 live none
-live host --kvbm "$payload_arg" --kvbm-host-mib "$(mib "$host_gib")" --kvbm-remote-mib 0
-live host+disk --kvbm "$payload_arg" --kvbm-host-mib "$(mib "$small_host_gib")" \
-  --kvbm-disk-mib "$(mib "$disk_gib")" --kvbm-remote-mib 0
+for gib in $host_gibs; do
+  live "host-${gib}g" --kvbm "$payload_arg" --kvbm-host-mib "$(mib "$gib")" --kvbm-remote-mib 0
+done
+if [ "$disk_gib" -gt 0 ]; then
+  live host+disk --kvbm "$payload_arg" --kvbm-host-mib "$(mib "$small_host_gib")" \
+    --kvbm-disk-mib "$(mib "$disk_gib")" --kvbm-remote-mib 0
+fi
 echo "== replay (prediction)"
 replay none
-replay host --kvbm-host-gib "$host_gib"
-replay host+disk --kvbm-host-gib "$small_host_gib" --kvbm-disk-gib "$disk_gib"
+for gib in $host_gibs; do
+  replay "host-${gib}g" --kvbm-host-gib "$gib"
+done
+if [ "$disk_gib" -gt 0 ]; then
+  replay host+disk --kvbm-host-gib "$small_host_gib" --kvbm-disk-gib "$disk_gib"
+fi
 echo "records and logs: $out"
