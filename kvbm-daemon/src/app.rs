@@ -497,8 +497,7 @@ fn start_peers(
 }
 
 async fn metrics_text(State(service): State<Arc<Service>>) -> String {
-    let queued = service.queued_bytes();
-    service.with_store(|store| service.metrics().render(store, queued))
+    service.metrics_text()
 }
 
 async fn ready(State(service): State<Arc<Service>>) -> (StatusCode, &'static str) {

@@ -913,6 +913,20 @@ impl Service {
         self.wake.notify_one();
     }
 
+    /// The daemon's metrics in the Prometheus text format; gauges kept elsewhere (the
+    /// fabric's leaked buffers) are read now.
+    pub fn metrics_text(&self) -> String {
+        if let Some(peers) = self.peers.get() {
+            let leaked = peers.fabric_leaked_buffers();
+            self.metrics
+                .peer
+                .fabric_leaked
+                .store(leaked, Ordering::Relaxed);
+        }
+        let queued = self.queued_bytes();
+        self.with_store(|store| self.metrics.render(store, queued))
+    }
+
     /// Reads the store for a metrics scrape (expired pins dropped first).
     pub fn with_store<T>(&self, f: impl FnOnce(&BlockStore) -> T) -> T {
         let mut state = self.lock();
@@ -1286,7 +1300,7 @@ mod tests {
             }
         });
         assert!(stored.is_some() && removed > stored, "{events:?}");
-        let text = s.with_store(|st| s.metrics().render(st, s.queued_bytes()));
+        let text = s.metrics_text();
         assert!(
             text.contains("kvgate_kvbm_lost_blocks_total{tier=\"disk\"} 1"),
             "{text}"
@@ -1328,7 +1342,7 @@ mod tests {
         };
         assert_eq!(written, names(&[3, 4]), "only the blocks the disk holds");
         assert_eq!(deleted, names(&[1, 2]), "the deletes still run");
-        let text = s.with_store(|st| s.metrics().render(st, s.queued_bytes()));
+        let text = s.metrics_text();
         assert!(
             text.contains("kvgate_kvbm_write_superseded_total{tier=\"disk\"} 2"),
             "{text}"
@@ -1465,7 +1479,7 @@ mod tests {
         assert!(s.onboard(l, &[BlockKey(1)]).await.unwrap().is_empty());
         assert_eq!(indexed(&s), 0);
         assert_eq!(s.with_store(|st| st.counters().remote.lost), 1);
-        let text = s.with_store(|st| s.metrics().render(st, s.queued_bytes()));
+        let text = s.metrics_text();
         assert!(
             text.contains(
                 r#"kvgate_kvbm_tier_errors_total{tier="remote",op="read",kind="status"} 1"#

@@ -87,7 +87,7 @@ pub async fn follow(
         }
     };
     // Every directory change queues index writes, applied here after its lock is released;
-    // the gauges (and the fabric's leaked buffers) follow each change.
+    // the gauges follow each change.
     let change = |f: &mut dyn FnMut(&mut super::directory::Directory) -> Vec<Fetch>| {
         let (fetches, writes) = {
             let mut dir = peers.directory();
@@ -97,8 +97,6 @@ pub async fn follow(
                 .publish_directory(dir.peers(), dir.stale(), dir.stats());
             (fetches, dir.take_writes())
         };
-        let leaked = peers.fabric_leaked_buffers();
-        metrics.peer.fabric_leaked.store(leaked, Ordering::Relaxed);
         writes.apply();
         fetches
     };

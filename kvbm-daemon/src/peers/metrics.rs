@@ -48,7 +48,7 @@ pub struct PeerMetrics {
     pull_seconds: Histogram,
     fabric_reads: [AtomicU64; 2],
     fabric_serves: [AtomicU64; 4],
-    /// Fabric buffers given up on (published with the directory's gauges).
+    /// Fabric buffers given up on (read from the fabric at each scrape).
     pub fabric_leaked: AtomicU64,
     /// Pulls served to peers.
     pub served_pulls: AtomicU64,
