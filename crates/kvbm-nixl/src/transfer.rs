@@ -221,8 +221,8 @@ impl Drop for Exposed {
     }
 }
 
-/// The agent name of `node`'s daemon in its run `epoch`: `kvbm-<node>-<16 hex digits>` (peers
-/// check it with [`agent_name_of`]; a restart names a new agent).
+/// The agent name of `node`'s daemon in its run `epoch`: `kvbm-<node>-<16 hex digits>` (a
+/// reader checks an offer's agent against it before loading it; a restart names a new agent).
 pub fn agent_name(node: &str, epoch: u64) -> String {
     format!("kvbm-{node}-{epoch:016x}")
 }
