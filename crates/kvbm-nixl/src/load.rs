@@ -1,6 +1,6 @@
 //! Finding NIXL at run time.
 //!
-//! The `stub-api` bindings `dlopen` [`LIBRARY`](crate::LIBRARY) on their first call and abort
+//! The `stub-api` bindings `dlopen` [`LIBRARY`] on their first call and abort
 //! the process when it is missing. [`library`] opens it first, through the same search path
 //! (`LD_LIBRARY_PATH`, the loader's cache), and checks every symbol the bindings resolve, so
 //! callers learn whether NIXL is usable before any binding runs. The handle is kept for the life of the process: the
