@@ -600,8 +600,19 @@ impl Run {
         if stop { "stop" } else { "length" }
     }
 
-    fn record(app: &App, arrival: u64, c: &Choice, stop: bool) {
+    fn record(app: &App, arrival: u64, c: &Choice, stop: bool, prompt_tokens: u32) {
         let secs = |a: u64, b: u64| Clock::seconds(b.saturating_sub(a));
+        let ms = |t: Option<u64>| t.map_or(-1.0, |t| t as f64 / 1e6);
+        tracing::debug!(
+            target: "kvgate_sim::request",
+            prompt_tokens,
+            cached_tokens = c.cached,
+            output_tokens = c.tokens.len(),
+            arrival_ms = arrival as f64 / 1e6,
+            queue_ms = ms(c.queue),
+            ttft_ms = ms(c.first_at.map(|t| t.saturating_sub(arrival))),
+            "request finished (model time)"
+        );
         app.metrics.observe_finished(
             if stop { Finish::Stop } else { Finish::Length },
             RequestTimings {
@@ -651,7 +662,7 @@ impl Run {
                 }
                 .into_response();
             }
-            Self::record(app, ticket.arrival, &c, *stop);
+            Self::record(app, ticket.arrival, &c, *stop, prompt.len() as u32);
             if let Some(Some((room, n))) = self.ready_rooms.get(index) {
                 app.bootstrap.room_ready(*room, *n);
             }
@@ -769,7 +780,8 @@ impl Run {
         let mut choices: Vec<Choice> = meta.iter().map(|_| Choice::default()).collect();
         let mut stalled = !self.stall;
         while let Some((index, u)) = mrx.recv().await {
-            let (Some(c), Some(&(arrival, stop, _))) = (choices.get_mut(index), meta.get(index))
+            let (Some(c), Some(&(arrival, stop, prompt_tokens))) =
+                (choices.get_mut(index), meta.get(index))
             else {
                 continue;
             };
@@ -808,7 +820,7 @@ impl Run {
                 return;
             }
             if u.finished {
-                Self::record(&app, arrival, c, stop);
+                Self::record(&app, arrival, c, stop, prompt_tokens);
                 if let Some(Some((room, n))) = self.ready_rooms.get(index) {
                     app.bootstrap.room_ready(*room, *n);
                 }

@@ -199,7 +199,7 @@ static_resources:
           - name: envoy.access_loggers.stdout
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog
-              log_format: {{ text_format_source: {{ inline_string: "ACCESS status=%RESPONSE_CODE% upstream=%UPSTREAM_HOST% picked=%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)% flags=%RESPONSE_FLAGS%\n" }} }}
+              log_format: {{ text_format_source: {{ inline_string: "ACCESS status=%RESPONSE_CODE% upstream=%UPSTREAM_HOST% picked=%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)% flags=%RESPONSE_FLAGS% ms=%DURATION% pick_us=%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% rxend_us=%COMMON_DURATION(DS_RX_BEG:DS_RX_END:us)% ushdr_us=%COMMON_DURATION(US_TX_BEG:US_RX_BEG:us)%\n" }} }}
           local_reply_config:
             mappers:
             - filter:
