@@ -21,6 +21,11 @@
 # Environment: CARGO_TARGET_DIR; TIME_SCALE (2); GPU_BLOCKS (8300); PAYLOAD (16384);
 # HOST_GIBS ("256 1024": the host-only runs); SMALL_HOST_GIB (128) and DISK_GIB (2048) (host +
 # disk; DISK_GIB=0 skips it); OUT (a temp directory: records and logs).
+#
+# Each live row also gives the engines' own TTFT p50 ("engine p50": model time from a request's
+# arrival at its engine to its first token, from the simulators' per-request debug lines), so
+# the gateway's share of the client's TTFT (Envoy, the EPP, the sidecar, HTTP) shows apart from
+# the engines' and the replay's, which model no gateway.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -49,10 +54,18 @@ live() { # $1 = label, rest = extra compare flags
   shift
   echo "== live: $label" >&2
   "$bench" compare --engines "$engines" --preset small --time-scale "$scale" --policies kv \
-    --loads "$speedup" --log-level warn --out "$out/live-$label" "${engine_args[@]}" "$@" \
+    --loads "$speedup" --log-level warn,kvgate_sim::request=debug --run-dir "$out/run-$label" \
+    --out "$out/live-$label" "${engine_args[@]}" "$@" \
     -- --workload mooncake --trace "$trace" --trace-to "$trace_s" --quiet \
     >"$out/live-$label.log" 2>&1 || { tail -30 "$out/live-$label.log" >&2; exit 1; }
   grep -E '^(run|kv) ' "$out/live-$label.log" | head -2 | sed "s/^kv /$label /"
+  engine_p50 "$out/run-$label"
+}
+engine_p50() { # $1 = a stack's run dir: the median of its engines' per-request TTFT
+  cat "$1"/engine-*.log | sed 's/\x1b\[[0-9;]*m//g' | grep -o 'ttft_ms=[0-9.]*' | cut -d= -f2 |
+    sort -n | awk '{v[NR] = $1} END {
+      if (NR == 0) { print "engine p50: no per-request lines"; exit 1 }
+      printf "engine p50 %.1f ms over %d requests\n", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2, NR }'
 }
 replay() { # $1 = label, rest = extra replay flags
   local label=$1
