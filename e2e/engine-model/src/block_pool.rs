@@ -75,6 +75,11 @@ impl BlockPool {
         self.offload.is_some()
     }
 
+    /// Whether the offloading tier loads a hit's blocks in the step that schedules the request.
+    pub(crate) fn offload_loads_in_step(&self) -> bool {
+        self.offload.as_ref().is_some_and(|t| t.loads_in_step())
+    }
+
     /// Asks the offloading tier which leading blocks of `request.hashes` it loads (none
     /// without a tier).
     pub(crate) fn offload_lookup(&mut self, request: LookupRequest<'_>) -> Lookup {

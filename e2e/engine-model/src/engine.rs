@@ -176,7 +176,8 @@ impl Engine {
             duration: self
                 .config
                 .cost
-                .duration(&shape, self.config.kv_bytes_per_token),
+                .duration(&shape, self.config.kv_bytes_per_token)
+                .saturating_add(schedule.load),
             outputs,
             events: self.pool.take_events(),
             shape,

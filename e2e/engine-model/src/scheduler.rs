@@ -32,12 +32,18 @@ pub(crate) struct Schedule {
     pub(crate) batch: Vec<(RequestId, usize)>,
     /// Requests preempted in this pass, in order.
     pub(crate) preempted: Vec<RequestId>,
+    /// Time the step spends loading blocks from an offload tier that loads in the step
+    /// ([`crate::OffloadTier::loads_in_step`]) before its forward pass.
+    pub(crate) load: Nanos,
 }
 
 /// What happened to the request at the front of the waiting queue.
 enum Admission {
     /// Moved to running with this many new tokens.
     Scheduled(usize),
+    /// Moved to running with this many new tokens after loading blocks from the offload tier
+    /// in the step, which takes this long.
+    ScheduledWithLoad(usize, Nanos),
     /// Stays waiting but does not block the queue (a KV transfer in flight).
     Skipped,
     /// Cannot be scheduled now; nobody behind it is either.
@@ -113,6 +119,13 @@ impl Engine {
                     self.waiting.pop_front();
                     self.running.push(id);
                     out.batch.push((id, num_new));
+                    *budget -= num_new;
+                }
+                Admission::ScheduledWithLoad(num_new, load) => {
+                    self.waiting.pop_front();
+                    self.running.push(id);
+                    out.batch.push((id, num_new));
+                    out.load = out.load.saturating_add(load);
                     *budget -= num_new;
                 }
                 Admission::Skipped => {
@@ -247,6 +260,8 @@ impl Engine {
         }
 
         let mut hits = Vec::new();
+        // Blocks the offload tier loads in this step: (first block, count, sources).
+        let mut in_step: Option<(usize, usize, Sources)> = None;
         if req.num_computed == 0 {
             if self.pool.caching() {
                 let max_blocks = (req.num_tokens() - 1) / block_size;
@@ -295,7 +310,14 @@ impl Engine {
                     Lookup::Found(s) => s,
                 };
                 let found = sources.blocks().min(after.len());
-                if found > 0 {
+                if found > 0 && self.pool.offload_loads_in_step() {
+                    // The connector loads them in the step that schedules the request (vLLM
+                    // `load_kv_async = False`): they count as computed now, their GPU blocks
+                    // are allocated with the step's, and the step takes the load's time.
+                    let sources = sources.take(found);
+                    let first_block = hits.len();
+                    in_step = Some((first_block, found, sources));
+                } else if found > 0 {
                     let sources = sources.take(found);
                     let first_block = hits.len();
                     let load = Load {
@@ -325,7 +347,8 @@ impl Engine {
             }
         }
 
-        let computed = req.num_computed.max(hits.len() * block_size);
+        let loaded = in_step.map_or(0, |(_, found, _)| found * block_size);
+        let computed = req.num_computed.max(hits.len() * block_size + loaded);
         let remaining = req.num_tokens().saturating_sub(computed);
         let capped = if threshold > 0 {
             remaining.min(threshold)
@@ -358,7 +381,24 @@ impl Engine {
             req.num_cached_tokens = Some(u32::try_from(computed).unwrap_or(u32::MAX));
         }
         req.phase = Phase::Running;
-        Admission::Scheduled(num_new)
+        let Some((first_block, found, sources)) = in_step else {
+            return Admission::Scheduled(num_new);
+        };
+        self.counters.host_hits += (found * block_size) as u64;
+        let hashes = req
+            .hashes
+            .get(first_block..first_block + found)
+            .unwrap_or_default();
+        self.pool.offload_load_started(
+            LookupRequest {
+                request: id,
+                first_block,
+                hashes,
+                tokens: &req.tokens,
+            },
+            sources,
+        );
+        Admission::ScheduledWithLoad(num_new, offload_wait(&sources, &self.config))
     }
 }
 

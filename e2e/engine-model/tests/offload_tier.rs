@@ -30,6 +30,7 @@ struct Scripted {
     pending: usize,
     answer: Sources,
     block_size: usize,
+    in_step: bool,
 }
 
 impl OffloadTier for Scripted {
@@ -71,6 +72,10 @@ impl OffloadTier for Scripted {
 
     fn finished(&mut self, request: RequestId) {
         self.seen.lock().unwrap().finished.push(request);
+    }
+
+    fn loads_in_step(&self) -> bool {
+        self.in_step
     }
 
     fn clear(&mut self) {}
@@ -118,6 +123,10 @@ fn run(e: &mut Engine, mut now: u64, max_idle: usize) -> (u64, Option<u32>) {
 }
 
 fn engine(pending: usize, answer: Sources) -> (Engine, Arc<Mutex<Seen>>) {
+    tiered(pending, answer, false)
+}
+
+fn tiered(pending: usize, answer: Sources, in_step: bool) -> (Engine, Arc<Mutex<Seen>>) {
     let config = Preset::Small.config();
     let seen = Arc::new(Mutex::new(Seen::default()));
     let tier = Scripted {
@@ -125,6 +134,7 @@ fn engine(pending: usize, answer: Sources) -> (Engine, Arc<Mutex<Seen>>) {
         pending,
         answer,
         block_size: config.block_size as usize,
+        in_step,
     };
     (Engine::with_offload(config, Box::new(tier)).unwrap(), seen)
 }
@@ -221,6 +231,66 @@ fn loads_are_charged_at_each_levels_bandwidth() {
     assert!(took[2].abs_diff(compute_rest + disk) <= 1, "{took:?}");
     assert!(took[3].abs_diff(compute_rest + mixed) <= 1, "{took:?}");
     assert!(disk > host, "disk loads slower than host memory");
+}
+
+#[test]
+fn a_tier_that_loads_in_the_step_schedules_at_once_and_the_step_takes_the_load() {
+    let config = Preset::Small.config();
+    let bs = config.block_size as usize;
+    let block = config.kv_bytes_per_token * u64::from(config.block_size);
+    let prompt: Vec<u32> = (0..(8 * bs as u32 + 1)).collect();
+    let answer = Sources {
+        host: 5,
+        disk: 3,
+        ..Sources::default()
+    };
+    let load = block * 5 * 1_000_000_000 / config.host_load_bandwidth
+        + block * 3 * 1_000_000_000 / config.disk_load_bandwidth;
+
+    // Waiting for the load: no step runs until it is done.
+    let (mut waits, _) = tiered(0, answer, false);
+    waits.add_request(request(1, prompt.clone())).unwrap();
+    assert!(waits.step(0).is_none(), "the request waits for its load");
+    let (waited_end, _) = run(&mut waits, 0, 4);
+
+    // In the step: the first step loads the blocks, computes the last prompt token and
+    // produces the first output token.
+    let (mut e, seen) = tiered(0, answer, true);
+    e.add_request(request(1, prompt.clone())).unwrap();
+    let first = e.step(0).expect("the request runs in the first step");
+    let out = &first.outputs[0];
+    assert_eq!(
+        out.new_tokens.len(),
+        1,
+        "the first token comes from the loading step"
+    );
+    assert_eq!(out.num_cached_tokens, Some((8 * bs) as u32));
+    assert_eq!(out.queue_time, Some(0));
+    assert!(
+        first.duration > load,
+        "the step takes the load and its forward pass"
+    );
+    assert_eq!(seen.lock().unwrap().started, [(1, 0, answer)]);
+    let (end, _) = run(&mut e, first.duration, 4);
+    // One request alone: the same load and the same compute, only arranged differently.
+    assert!(end.abs_diff(waited_end) <= 1, "{end} vs {waited_end}");
+
+    // A request that decodes beside it waits for the load too: its step is the loading step.
+    let (mut e, _) = tiered(0, answer, true);
+    e.add_request(request(2, vec![7; bs + 1])).unwrap();
+    let alone = e.step(0).unwrap().duration;
+    e.add_request(NewRequest {
+        arrival: alone,
+        ..request(1, prompt)
+    })
+    .unwrap();
+    let both = e.step(alone).unwrap();
+    assert_eq!(
+        both.outputs.len(),
+        2,
+        "the decode and the loaded request's first token"
+    );
+    assert!(both.duration > load);
 }
 
 #[test]

@@ -11,8 +11,8 @@
 use std::collections::HashMap;
 
 use engine_model::{
-    CacheEvent, Engine, EngineConfig, KvTransfer, Nanos, NewRequest, Preset, RequestId, StepOutput,
-    XxhChain,
+    CacheEvent, Engine, EngineConfig, KvTransfer, Lookup, LookupRequest, Nanos, NewRequest,
+    Offload, OffloadTier, Preset, RequestId, Sources, StepOutput, XxhChain,
 };
 use proptest::prelude::*;
 
@@ -65,6 +65,47 @@ struct Setup {
     caching: bool,
     /// Host-tier blocks (0: no offloading).
     host: u32,
+    /// Without a host tier: offload to [`InStepTier`] instead.
+    in_step_tier: bool,
+}
+
+/// A tier as kvgate's connector uses the node's block manager: it keeps every block offloaded
+/// to it, finds the leading ones held, and loads them in the step that schedules the request.
+#[derive(Debug, Default)]
+struct InStepTier {
+    held: std::collections::HashSet<u64>,
+}
+
+impl OffloadTier for InStepTier {
+    fn offload(&mut self, b: Offload<'_>, _events: &mut Vec<CacheEvent>) {
+        self.held.extend(b.hashes.iter().copied());
+    }
+
+    fn lookup(&mut self, r: LookupRequest<'_>) -> Lookup {
+        let host = r
+            .hashes
+            .iter()
+            .take_while(|h| self.held.contains(h))
+            .count();
+        Lookup::Found(Sources {
+            host,
+            ..Sources::default()
+        })
+    }
+
+    fn loads_in_step(&self) -> bool {
+        true
+    }
+
+    fn clear(&mut self) {}
+
+    fn len(&self) -> usize {
+        0
+    }
+
+    fn hashes(&self) -> Vec<u64> {
+        Vec::new()
+    }
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -76,9 +117,10 @@ fn setup() -> impl Strategy<Value = Setup> {
         prop_oneof![Just(0u32), Just(3u32)],
         prop_oneof![4 => Just(true), 1 => Just(false)],
         prop_oneof![1 => Just(0u32), 2 => 1..12u32],
+        any::<bool>(),
     )
         .prop_map(
-            |(block_size, blocks, seqs, budget, threshold, caching, host)| Setup {
+            |(block_size, blocks, seqs, budget, threshold, caching, host, tier)| Setup {
                 block_size,
                 blocks,
                 seqs,
@@ -86,6 +128,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                 threshold,
                 caching,
                 host,
+                in_step_tier: tier && host == 0,
             },
         )
 }
@@ -258,7 +301,11 @@ impl Model {
 fn run(setup: &Setup, ops: &[Op]) -> Result<(), TestCaseError> {
     let cfg = setup.config();
     let max_len = cfg.max_model_len as usize;
-    let mut e = Engine::new(cfg).unwrap();
+    let mut e = if setup.in_step_tier {
+        Engine::with_offload(cfg, Box::<InStepTier>::default()).unwrap()
+    } else {
+        Engine::new(cfg).unwrap()
+    };
     let mut m = Model::default();
     for op in ops {
         match op {
@@ -367,6 +414,7 @@ fn the_random_workload_reaches_preemption_eviction_and_hits() {
         threshold: 3,
         caching: true,
         host: 0,
+        in_step_tier: false,
     };
     let mut e = Engine::new(setup.config()).unwrap();
     for id in 0..6u64 {
@@ -412,6 +460,7 @@ fn an_evicted_prefix_loads_back_from_the_host_tier() {
         threshold: 0,
         caching: true,
         host: 16,
+        in_step_tier: false,
     };
     let mut e = Engine::new(setup.config()).unwrap();
     let mut m = Model::default();

@@ -11,7 +11,9 @@
 //! Each engine's [`NodeTier`] is its connector: it offloads every block the engine caches
 //! (write-through, under the kvgate key of the request's tokens, as the live connector does)
 //! and answers lookups at once with the leading blocks the node holds, host memory first, a
-//! disk block being promoted to host memory as the daemon promotes it at onboard. Every
+//! disk block being promoted to host memory as the daemon promotes it at onboard; the engine
+//! loads what it finds in the step that schedules the request, as kvgate's vLLM connector
+//! does ([`OffloadTier::loads_in_step`]). Every
 //! residency change becomes a [`KvEvent`] in the store's outbox, which the replay delivers to
 //! the router's index as the node's events (the daemon publishes them on NATS), so the
 //! scheduler credits the node's tiers to every engine on it, as the EPP does.
@@ -262,6 +264,11 @@ impl OffloadTier for NodeTier {
             g.store(key, parent);
             g.stats.offloaded += 1;
         }
+    }
+
+    /// kvgate's vLLM connector loads in the step that schedules the request.
+    fn loads_in_step(&self) -> bool {
+        true
     }
 
     /// The leading blocks the node holds, by level (a question: nothing moves).

@@ -278,6 +278,11 @@ impl OffloadTier for KvbmTier {
         }
     }
 
+    /// kvgate's vLLM connector loads in the step that schedules the request.
+    fn loads_in_step(&self) -> bool {
+        true
+    }
+
     fn lookup(&mut self, r: LookupRequest<'_>) -> Lookup {
         if let Some(first) = self.asked.get(&r.request).copied() {
             let sources = match self.known.get(&r.request) {
