@@ -982,7 +982,7 @@ fn write_finished(
 const REMOTE_IN_FLIGHT: usize = 16;
 
 /// Drains the remote write queue into the remote store for the life of the service: up to
-/// [`REMOTE_IN_FLIGHT`] operations at once, never two on the same name (a put and a later
+/// `REMOTE_IN_FLIGHT` (16) operations at once, never two on the same name (a put and a later
 /// delete of one block stay in order: a batch ends before the second).
 pub async fn remote_writer(
     service: Arc<Service>,

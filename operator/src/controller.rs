@@ -40,7 +40,7 @@ const RETRY: Duration = Duration::from_secs(10);
 /// How often deleted autoscalers are looked for.
 const PRUNE_EVERY: Duration = Duration::from_secs(5);
 
-/// Why a reconcile failed (it is retried after [`RETRY`]).
+/// Why a reconcile failed (it is retried after 10 s).
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
     /// The autoscaler has no namespace.

@@ -18,7 +18,7 @@ const LATENCY_BUCKETS: [f64; 10] = [
     0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05, 0.25,
 ];
 
-/// A duration histogram over [`LATENCY_BUCKETS`] (the counting is `telemetry`'s).
+/// A duration histogram over the sidecar's latency buckets (the counting is `telemetry`'s).
 #[derive(Debug)]
 pub struct Histogram(telemetry::Histogram);
 

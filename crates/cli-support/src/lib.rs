@@ -131,7 +131,7 @@ pub fn init_tracing() {
 /// then each retry at debug), so the layer is silenced unless `RUST_LOG` names `kube_client`.
 const QUIET_TARGETS: &str = "kube_client::client::builder=off";
 
-/// The filter directives: `RUST_LOG` (default `info`), plus [`QUIET_TARGETS`] unless
+/// The filter directives: `RUST_LOG` (default `info`), plus `QUIET_TARGETS` unless
 /// `RUST_LOG` mentions `kube_client`.
 pub fn log_directives(rust_log: Option<&str>) -> String {
     let base = rust_log

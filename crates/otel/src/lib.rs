@@ -15,7 +15,7 @@
 //! - [`StageLog`]: a request's short, nested stages (the EPP's parse, tokenize, pick…) kept as
 //!   clock readings and exported as child spans of a [`RequestSpan`] when the log is dropped,
 //!   with the SDK's tracer directly: a fraction of what a `tracing` span costs.
-//! - [`receiver`] (feature `receiver`): an in-process OTLP trace receiver for tests and benches.
+//! - `receiver` (feature `receiver`): an in-process OTLP trace receiver for tests and benches.
 //!
 //! The sidecar's spans are ordinary `tracing` spans with `target: otel::TARGET`. The EPP's are
 //! not `tracing` spans at all: a [`RequestSpan`] and its [`StageLog`], found through the

@@ -1,12 +1,12 @@
 //! SGLang's bootstrap-based P/D flow (`--kv-connector sglang`), as SGLang's own routers run it
 //! (the mini load balancer and sgl-router's PD mode) and llm-d's pd-sidecar `sglang` connector:
 //!
-//! 1. the SSRF check and the bounded body, as for every P/D request ([`super::handler::prepare`]);
+//! 1. the SSRF check and the bounded body, as for every P/D request (`handler::prepare`);
 //! 2. one body for both legs: the client's request plus `bootstrap_host` (the prefiller's IP),
 //!    `bootstrap_port` (`--sglang-bootstrap-port`) and a random 63-bit `bootstrap_room`
 //!    ([`super::bootstrap`]); `stream`, `max_tokens` and the rest stay as the client sent them;
 //! 3. both legs sent **at once**: the prefill leg to the prefiller (retried only while it cannot
-//!    have started, see [`Bootstrap`](super::prefill::Bootstrap)) and the decode leg to the local engine;
+//!    have started, see [`Bootstrap`]) and the decode leg to the local engine;
 //! 4. which answer the client gets is decided by [`Dual`]: the decode answer is released only
 //!    once the prefill leg succeeded — as sgl-router does — and then relayed frame by frame (SSE
 //!    never buffered). If the prefill leg fails, the client gets 502 naming the prefiller and

@@ -3,8 +3,8 @@
 //!
 //! It speaks to AWS S3 and to S3-compatible stores (MinIO, Ceph RGW, SeaweedFS, …): `PUT`,
 //! `GET`, `DELETE` of an object and `HEAD` of the bucket, nothing else. How the SDK is set up
-//! (HTTP, TLS, credentials, no retries) is [`sdk`]'s; what its errors mean is [`errors`]'s; the
-//! SHA-256 each block is stored and checked with is [`integrity`]'s.
+//! (HTTP, TLS, credentials, no retries) is in the `sdk` module; what its errors mean, in
+//! `errors`; the SHA-256 each block is stored and checked with, in `integrity`.
 //!
 //! Addressing is path-style (`https://endpoint/bucket/key`) for a given endpoint, and
 //! virtual-hosted (`https://bucket.s3.<region>.amazonaws.com/key`) for AWS's own, unless
