@@ -39,11 +39,9 @@ pub(crate) struct Schedule {
 
 /// What happened to the request at the front of the waiting queue.
 enum Admission {
-    /// Moved to running with this many new tokens.
-    Scheduled(usize),
-    /// Moved to running with this many new tokens after loading blocks from the offload tier
-    /// in the step, which takes this long.
-    ScheduledWithLoad(usize, Nanos),
+    /// Moved to running with this many new tokens, after loading blocks from an offload tier
+    /// that loads in the step for this long (0: nothing loaded).
+    Scheduled(usize, Nanos),
     /// Stays waiting but does not block the queue (a KV transfer in flight).
     Skipped,
     /// Cannot be scheduled now; nobody behind it is either.
@@ -115,13 +113,7 @@ impl Engine {
                 break;
             };
             match self.admit_waiting(id, now, *budget) {
-                Admission::Scheduled(num_new) => {
-                    self.waiting.pop_front();
-                    self.running.push(id);
-                    out.batch.push((id, num_new));
-                    *budget -= num_new;
-                }
-                Admission::ScheduledWithLoad(num_new, load) => {
+                Admission::Scheduled(num_new, load) => {
                     self.waiting.pop_front();
                     self.running.push(id);
                     out.batch.push((id, num_new));
@@ -260,8 +252,8 @@ impl Engine {
         }
 
         let mut hits = Vec::new();
-        // Blocks the offload tier loads in this step: (first block, count, sources).
-        let mut in_step: Option<(usize, usize, Sources)> = None;
+        // Blocks the offload tier loads in this step: (first block, sources).
+        let mut in_step: Option<(usize, Sources)> = None;
         if req.num_computed == 0 {
             if self.pool.caching() {
                 let max_blocks = (req.num_tokens() - 1) / block_size;
@@ -309,36 +301,27 @@ impl Engine {
                     Lookup::Pending => return Admission::Skipped,
                     Lookup::Found(s) => s,
                 };
-                let found = sources.blocks().min(after.len());
-                if found > 0 && self.pool.offload_loads_in_step() {
+                let sources = sources.take(after.len());
+                let first_block = hits.len();
+                if sources.blocks() > 0 && self.pool.offload_loads_in_step() {
                     // The connector loads them in the step that schedules the request (vLLM
                     // `load_kv_async = False`): they count as computed now, their GPU blocks
                     // are allocated with the step's, and the step takes the load's time.
-                    let sources = sources.take(found);
-                    let first_block = hits.len();
-                    in_step = Some((first_block, found, sources));
-                } else if found > 0 {
-                    let sources = sources.take(found);
-                    let first_block = hits.len();
+                    in_step = Some((first_block, sources));
+                } else if sources.blocks() > 0 {
                     let load = Load {
-                        target: (first_block + found) * block_size,
+                        target: (first_block + sources.blocks()) * block_size,
                         hits,
                         wait: offload_wait(&sources, &self.config),
                     };
                     let admission = start_load(&mut self.pool, req, load, &self.config, now);
                     if matches!(admission, Admission::Skipped) {
-                        self.counters.host_hits += (found * block_size) as u64;
-                        let hashes = req
-                            .hashes
-                            .get(first_block..first_block + found)
-                            .unwrap_or_default();
-                        self.pool.offload_load_started(
-                            LookupRequest {
-                                request: id,
-                                first_block,
-                                hashes,
-                                tokens: &req.tokens,
-                            },
+                        load_started(
+                            &mut self.pool,
+                            &mut self.counters,
+                            req,
+                            block_size,
+                            first_block,
                             sources,
                         );
                     }
@@ -347,7 +330,7 @@ impl Engine {
             }
         }
 
-        let loaded = in_step.map_or(0, |(_, found, _)| found * block_size);
+        let loaded = in_step.map_or(0, |(_, sources)| sources.blocks() * block_size);
         let computed = req.num_computed.max(hits.len() * block_size + loaded);
         let remaining = req.num_tokens().saturating_sub(computed);
         let capped = if threshold > 0 {
@@ -381,25 +364,46 @@ impl Engine {
             req.num_cached_tokens = Some(u32::try_from(computed).unwrap_or(u32::MAX));
         }
         req.phase = Phase::Running;
-        let Some((first_block, found, sources)) = in_step else {
-            return Admission::Scheduled(num_new);
+        let Some((first_block, sources)) = in_step else {
+            return Admission::Scheduled(num_new, 0);
         };
-        self.counters.host_hits += (found * block_size) as u64;
-        let hashes = req
-            .hashes
-            .get(first_block..first_block + found)
-            .unwrap_or_default();
-        self.pool.offload_load_started(
-            LookupRequest {
-                request: id,
-                first_block,
-                hashes,
-                tokens: &req.tokens,
-            },
+        load_started(
+            &mut self.pool,
+            &mut self.counters,
+            req,
+            block_size,
+            first_block,
             sources,
         );
-        Admission::ScheduledWithLoad(num_new, offload_wait(&sources, &self.config))
+        Admission::Scheduled(num_new, offload_wait(&sources, &self.config))
     }
+}
+
+/// A load from the offload tier of `sources.blocks()` blocks from `first_block` on began: the
+/// tier hears it (it counts as a use of those blocks) and the tokens count as host hits.
+fn load_started(
+    pool: &mut BlockPool,
+    counters: &mut crate::engine::Counters,
+    req: &Request,
+    block_size: usize,
+    first_block: usize,
+    sources: Sources,
+) {
+    let found = sources.blocks();
+    counters.host_hits += (found * block_size) as u64;
+    let hashes = req
+        .hashes
+        .get(first_block..first_block + found)
+        .unwrap_or_default();
+    pool.offload_load_started(
+        LookupRequest {
+            request: req.id,
+            first_block,
+            hashes,
+            tokens: &req.tokens,
+        },
+        sources,
+    );
 }
 
 /// KV that arrives from outside the GPU before a request runs: a remote prefill's blocks, or
