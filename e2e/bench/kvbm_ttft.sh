@@ -62,7 +62,7 @@ live() { # $1 = label, rest = extra compare flags
   engine_p50 "$out/run-$label"
 }
 engine_p50() { # $1 = a stack's run dir: the median of its engines' per-request TTFT
-  cat "$1"/engine-*.log | sed 's/\x1b\[[0-9;]*m//g' | grep -o 'ttft_ms=[0-9.]*' | cut -d= -f2 |
+  cat "$1"/engine-*.log | sed 's/\x1b\[[0-9;]*m//g' | grep -o 'ttft_ms=[0-9][0-9.]*' | cut -d= -f2 |
     sort -n | awk '{v[NR] = $1} END {
       if (NR == 0) { print "engine p50: no per-request lines"; exit 1 }
       printf "engine p50 %.1f ms over %d requests\n", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2, NR }'
