@@ -82,10 +82,8 @@ pub async fn shutdown_signal() {
 /// Renders an error and its causes, one per line.
 pub fn render<E: Error + ?Sized>(err: &E) -> String {
     let mut out = format!("error: {err}");
-    let mut source = err.source();
-    while let Some(cause) = source {
+    for cause in causes(err) {
         out.push_str(&format!("\n  caused by: {cause}"));
-        source = cause.source();
     }
     out
 }
@@ -94,13 +92,16 @@ pub fn render<E: Error + ?Sized>(err: &E) -> String {
 /// and reqwest's top-level errors say little alone).
 pub fn one_line<E: Error + ?Sized>(err: &E) -> String {
     let mut out = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
+    for cause in causes(err) {
         out.push_str(": ");
         out.push_str(&cause.to_string());
-        source = cause.source();
     }
     out
+}
+
+/// The chain of `err`'s sources, nearest first.
+fn causes<E: Error + ?Sized>(err: &E) -> impl Iterator<Item = &(dyn Error + 'static)> + '_ {
+    std::iter::successors(err.source(), |&cause| cause.source())
 }
 
 /// Turns a binary's result into its exit code, printing the error if any.
