@@ -45,8 +45,9 @@ command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 [ -f /usr/include/zmq.h ] || missing+=(libzmq3-dev)
 { command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; } || missing+=(prometheus)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
-# bindgen (nixl-sys's build script) loads libclang.
-compgen -G '/usr/lib/llvm-*/lib/libclang*.so*' >/dev/null || missing+=(libclang-dev)
+# bindgen (nixl-sys's build script) loads libclang. Not libclang-cpp (a different library, which
+# other packages bring into the same directory).
+compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null || missing+=(libclang-dev)
 # The PNG plots of `kvgate-bench report`, `compare` and `autoscale` draw with DejaVu Sans.
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || missing+=(fonts-dejavu-core)
 if [ ${#missing[@]} -gt 0 ]; then
