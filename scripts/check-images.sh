@@ -42,13 +42,16 @@ toolchain=$(sed -n 's/^channel *= *"\(.*\)"/\1/p' rust-toolchain.toml)
 grep -qx "ARG VERSION=$version" "$df" || fail "$df: ARG VERSION is not the workspace version $version"
 grep -qx "ARG RUST_VERSION=$toolchain" "$df" ||
   fail "$df: ARG RUST_VERSION is not rust-toolchain.toml's $toolchain"
-for name in kvgate-epp kvgate-sidecar kvgate-kvbm kvgate-sim; do
+# Each target and its binary (kvgate-kvbm-nixl runs the block manager's).
+for target in kvgate-epp kvgate-sidecar kvgate-kvbm kvgate-sim kvgate-kvbm-nixl:kvgate-kvbm; do
+  name=${target%%:*}
+  bin=${target#*:}
   stage=$(awk -v want="$name" '/^FROM / { stage = $NF } stage == want' "$df")
   [ -n "$stage" ] || { fail "$df: no target $name"; continue; }
   grep -qx 'USER 65532:65532' <<<"$stage" || fail "$df: target $name does not run as 65532:65532"
-  grep -qxF "ENTRYPOINT [\"/usr/local/bin/$name\"]" <<<"$stage" ||
-    fail "$df: target $name's entrypoint is not /usr/local/bin/$name"
-  grep -q "^COPY --from=build-${name#kvgate-} " <<<"$stage" || fail "$df: target $name copies no binary"
+  grep -qxF "ENTRYPOINT [\"/usr/local/bin/$bin\"]" <<<"$stage" ||
+    fail "$df: target $name's entrypoint is not /usr/local/bin/$bin"
+  grep -q "^COPY --from=build-${bin#kvgate-} " <<<"$stage" || fail "$df: target $name copies no binary"
 done
 [ "$failed" -eq 0 ] || exit 1
 say "ok: ${#dockerfiles[@]} Dockerfile(s) lint clean; images/Dockerfile matches Cargo.toml ($version) and rust-toolchain.toml ($toolchain)"

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Builds kvgate's container images without a Docker daemon, then checks each one.
 #
-#   scripts/images.sh [--only epp,sidecar,kvbm,sim] [--out DIR] [--skip-build | --check-only]
+#   scripts/images.sh [--only epp,sidecar,kvbm,sim,kvbm-nixl] [--out DIR] [--skip-build | --check-only]
 #
 # For each image: the distroless/cc-style Debian bookworm root made by images/rootfs.sh
-# (mmdebstrap, from Debian's packages; one root, the first layer of all four) and the release
-# binary (cargo build --release --locked), two layers (GNU tar) added to an OCI image layout
-# with umoci, configured as images/Dockerfile configures its targets (user 65532:65532,
-# entrypoint, the Dockerfile's labels), and written as
+# (mmdebstrap, from Debian's packages; one root, the first layer of the first four) and the
+# release binary (cargo build --release --locked), two layers (GNU tar) added to an OCI image
+# layout with umoci, configured as images/Dockerfile configures its targets (user 65532:65532,
+# entrypoint, the Dockerfile's labels). kvgate-kvbm-nixl is the block manager's binary on a
+# root with libssl3 and zlib1g added, and a third layer: NIXL and UCX under /opt/nixl
+# (images/nixl-layer.sh, from the PyPI wheel nixl-cu12), on the image's LD_LIBRARY_PATH.
+# Each image is written as
 #   DIR/<name>/                  an OCI layout, tag <version>  (skopeo copy oci:DIR/<name>:<version> docker://…)
 #   DIR/<name>-<version>.tar     a docker-archive tagged <registry>/<name>:<version>  (docker load -i, kind load image-archive)
 # <registry> is ghcr.io/kvgate (KVGATE_IMAGE_REGISTRY), <version> the workspace's (Cargo.toml).
@@ -19,12 +22,15 @@
 # a kvgate pod runs it: as 65532:65532, no capabilities, no_new_privs, read-only root, the
 # image's environment, every symbol bound at load (LD_BIND_NOW). Two images also serve for
 # real that way: the block manager (remote tier over TLS, so its CA roots must load; disk and
-# socket on a mounted tmpfs; a real nats-server; ready, then SIGTERM, exit 0) and the
-# simulator (KV events over ZMQ; healthy, a completion answered, then SIGTERM, exit 0).
+# socket on a mounted tmpfs; a real nats-server; ready, then SIGTERM, exit 0), the same with
+# NIXL (kvgate-kvbm-nixl: --peer-fabric nixl, so NIXL's C API, its UCX backend and UCX load
+# from /opt/nixl with every symbol bound), and the simulator (KV events over ZMQ; healthy, a
+# completion answered, then SIGTERM, exit 0).
 #
 # Needs root for all but the cargo build (mmdebstrap, umoci, mount namespaces): run as another
 # user, it builds the binaries, then says how to go on under sudo. Installs what it needs from
-# Debian (mmdebstrap umoci skopeo jq binutils libcap2-bin curl nats-server), idempotently.
+# Debian (mmdebstrap umoci skopeo jq binutils libcap2-bin curl nats-server python3-pip),
+# idempotently; kvgate-kvbm-nixl downloads the nixl-cu12 wheel from PyPI.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -38,7 +44,8 @@ usage() {
   sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$self"
   cat <<'EOF'
 Options:
-  --only LIST    images to build, comma-separated: epp, sidecar, kvbm, sim (default: all four)
+  --only LIST    images to build, comma-separated: epp, sidecar, kvbm, sim, kvbm-nixl
+                 (default: all five)
   --out DIR      output directory (default: $CARGO_TARGET_DIR/images or target/images)
   --skip-build   use the release binaries already built instead of running cargo
   --check-only   build nothing: check the OCI layouts DIR/<name> (tag <version>) already
@@ -48,7 +55,7 @@ Options:
 EOF
 }
 
-all=(epp sidecar kvbm sim)
+all=(epp sidecar kvbm sim kvbm-nixl)
 only=
 out=
 skip_build=0
@@ -79,8 +86,11 @@ else
   [ ${#selected[@]} -gt 0 ] || die "--only names no image"
 fi
 
-# The cargo package of each image's binary.
-declare -A package=([epp]=kvgate-epp [sidecar]=kvgate-sidecar [kvbm]=kvgate-kvbm [sim]=kvgate-e2e)
+# The cargo package and the binary of each image.
+declare -A package=([epp]=kvgate-epp [sidecar]=kvgate-sidecar [kvbm]=kvgate-kvbm [sim]=kvgate-e2e
+  [kvbm-nixl]=kvgate-kvbm)
+declare -A binary=([epp]=kvgate-epp [sidecar]=kvgate-sidecar [kvbm]=kvgate-kvbm [sim]=kvgate-sim
+  [kvbm-nixl]=kvgate-kvbm)
 
 version=$(awk '/^\[workspace\.package\]/ { s = 1; next } /^\[/ { s = 0 }
   s && $1 == "version" { gsub(/"/, "", $3); print $3; exit }' Cargo.toml)
@@ -94,7 +104,9 @@ dockerfile="$root/images/Dockerfile"
 if [ "$skip_build" -eq 0 ]; then
   command -v cargo >/dev/null || die "cargo is missing"
   build=()
-  for c in "${selected[@]}"; do build+=(-p "${package[$c]}" --bin "kvgate-$c"); done
+  for c in "${selected[@]}"; do
+    case " ${build[*]} " in *" ${binary[$c]} "*) ;; *) build+=(-p "${package[$c]}" --bin "${binary[$c]}") ;; esac
+  done
   say "cargo build --release --locked ${build[*]}"
   build_started=$SECONDS
   cargo build --release --locked "${build[@]}"
@@ -104,8 +116,8 @@ for c in "${selected[@]}"; do
   if [ "$check_only" -eq 1 ]; then
     [ -f "$out/kvgate-$c/index.json" ] || die "no OCI layout $out/kvgate-$c to check"
   else
-    [ -x "$target_dir/release/kvgate-$c" ] ||
-      die "$target_dir/release/kvgate-$c is missing (run without --skip-build)"
+    [ -x "$target_dir/release/${binary[$c]}" ] ||
+      die "$target_dir/release/${binary[$c]} is missing (run without --skip-build)"
   fi
 done
 
@@ -118,7 +130,8 @@ fi
 declare -A tool_package=([mmdebstrap]=mmdebstrap [umoci]=umoci [skopeo]=skopeo [jq]=jq
   [objcopy]=binutils [getcap]=libcap2-bin [curl]=curl [unshare]=util-linux
   [setpriv]=util-linux)
-case " ${selected[*]} " in *" kvbm "*) tool_package[nats-server]=nats-server ;; esac
+case " ${selected[*]} " in *" kvbm "* | *" kvbm-nixl "*) tool_package[nats-server]=nats-server ;; esac
+case " ${selected[*]} " in *" kvbm-nixl "*) tool_package[readelf]=binutils; tool_package[pip3]=python3-pip ;; esac
 missing=()
 for tool in "${!tool_package[@]}"; do
   command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] || missing+=("${tool_package[$tool]}")
@@ -178,32 +191,54 @@ layer_tar() {
 
 if [ "$check_only" -eq 0 ]; then
   "$root/images/rootfs.sh" "$rootfs"
-  layer_tar "$rootfs" "$work/rootfs.tar" # one blob, the same in every image
+  layer_tar "$rootfs" "$work/rootfs.tar" # one blob, the same in every image but the NIXL one
+  case " ${selected[*]} " in
+    *" kvbm-nixl "*)
+      # NIXL's C API links libssl and zlib; the other images need neither.
+      "$root/images/rootfs.sh" "$work/rootfs-nixl" libssl3 zlib1g
+      layer_tar "$work/rootfs-nixl" "$work/rootfs-nixl.tar"
+      "$root/images/nixl-layer.sh" "$work/nixl"
+      chown -R 0:0 "$work/nixl"
+      layer_tar "$work/nixl" "$work/nixl.tar"
+      ;;
+  esac
 fi
 
 # --- Images -------------------------------------------------------------------------------
 build_image() {
   local c=$1 name="kvgate-$1" layout="$out/kvgate-$1" stage="$work/bin-$1" label
-  local config=()
+  local bin=${binary[$1]} config=(--config.env PATH=/usr/local/bin:/usr/bin:/bin)
   rm -rf "$layout" "$out/$name-$version.tar"
   # The binary without its debug info (its symbols kept), as the Dockerfile's build stages.
   install -d -m 0755 "$stage/usr/local/bin"
-  objcopy --strip-debug "$target_dir/release/$name" "$stage/usr/local/bin/$name"
+  objcopy --strip-debug "$target_dir/release/$bin" "$stage/usr/local/bin/$bin"
   chown -R 0:0 "$stage"
-  chmod 0755 "$stage/usr/local/bin/$name"
+  chmod 0755 "$stage/usr/local/bin/$bin"
   umoci init --layout "$layout"
   umoci new --image "$layout:$version"
   layer_tar "$stage" "$work/bin-$c.tar"
-  umoci raw add-layer --image "$layout:$version" --history.created_by "images/rootfs.sh" \
-    "$work/rootfs.tar"
-  umoci raw add-layer --image "$layout:$version" --history.created_by "$name release binary" \
+  if [ "$c" = kvbm-nixl ]; then
+    umoci raw add-layer --image "$layout:$version" \
+      --history.created_by "images/rootfs.sh (libssl3 zlib1g)" "$work/rootfs-nixl.tar"
+  else
+    umoci raw add-layer --image "$layout:$version" --history.created_by "images/rootfs.sh" \
+      "$work/rootfs.tar"
+  fi
+  umoci raw add-layer --image "$layout:$version" --history.created_by "$bin release binary" \
     "$work/bin-$c.tar"
-  while IFS= read -r label; do config+=(--config.label "$label"); done < <(labels_of "$name")
-  [ ${#config[@]} -ge 16 ] || die "images/Dockerfile: too few labels for stage $name"
+  if [ "$c" = kvbm-nixl ]; then
+    umoci raw add-layer --image "$layout:$version" --history.created_by "images/nixl-layer.sh" \
+      "$work/nixl.tar"
+    config+=(--config.env LD_LIBRARY_PATH=/opt/nixl/lib)
+  fi
+  local labels=()
+  while IFS= read -r label; do labels+=(--config.label "$label"); done < <(labels_of "$name")
+  [ ${#labels[@]} -ge 16 ] || die "images/Dockerfile: too few labels for stage $name"
+  config+=("${labels[@]}")
   umoci config --image "$layout:$version" --os linux --architecture "$arch" \
     --created "$created" --author kvgate --history.created_by "scripts/images.sh config" \
-    --config.user 65532:65532 --config.entrypoint "/usr/local/bin/$name" \
-    --config.env PATH=/usr/local/bin:/usr/bin:/bin --config.workingdir / "${config[@]}"
+    --config.user 65532:65532 --config.entrypoint "/usr/local/bin/$bin" \
+    --config.workingdir / "${config[@]}"
   umoci gc --layout "$layout"
   skopeo copy --quiet "oci:$layout:$version" \
     "docker-archive:$out/$name-$version.tar:$registry/$name:$version"
@@ -219,23 +254,38 @@ manifest_digest() {
 blob() { local d=$2; printf '%s/blobs/%s/%s' "$1" "${d%%:*}" "${d#*:}"; }
 
 # Runs a command from an unpacked image's root as a kvgate pod does: uid/gid 65532, no
-# supplementary group, no capability, no_new_privs, the root read-only, /proc mounted, a fresh
-# PID namespace (the command is PID 1), the environment given and nothing else. With
-# SANDBOX_TMPFS=1 a tmpfs owned by 65532 is mounted on /tmp, as a pod's volume would be.
+# supplementary group, no capability, no_new_privs, the root read-only, what a container
+# runtime mounts (/proc; /sys read-only; a /dev tmpfs with null, zero, random, urandom and a
+# 64 MiB /dev/shm), a fresh PID namespace (the command is PID 1), the environment given and
+# nothing else. With
+# SANDBOX_TMPFS=1 a tmpfs owned by 65532 is mounted on /tmp, as a pod's volume would be, and
+# SANDBOX_SECRET, a file, is copied into it as /tmp/peer-secret (as a mounted Secret would be).
 sandbox() {
   local r=$1
   shift
-  mkdir -p "$r/proc" # the mount point, as the runtime creates it
+  mkdir -p "$r/proc" "$r/sys" "$r/dev" # the mount points, as the runtime creates them
   # shellcheck disable=SC2016 # the inner script's variables are its own
-  env -i "${sandbox_env[@]}" SANDBOX_TMPFS="${SANDBOX_TMPFS:-0}" \
+  env -i "${sandbox_env[@]}" SANDBOX_TMPFS="${SANDBOX_TMPFS:-0}" SANDBOX_SECRET="${SANDBOX_SECRET:-}" \
     unshare --mount --pid --fork --kill-child --propagation private -- sh -euc '
       r=$1; shift
       mount --bind "$r" "$r"
       mount -t proc proc "$r/proc"
+      mount --rbind /sys "$r/sys"
+      mount -o remount,bind,ro "$r/sys"
+      mount -t tmpfs -o mode=0755,size=64k tmpfs "$r/dev"
+      for n in null zero random urandom; do
+        touch "$r/dev/$n"
+        mount --bind "/dev/$n" "$r/dev/$n"
+      done
+      mkdir "$r/dev/shm"
+      mount -t tmpfs -o mode=1777,size=64m tmpfs "$r/dev/shm"
       if [ "$SANDBOX_TMPFS" = 1 ]; then
         mount -t tmpfs -o uid=65532,gid=65532,mode=0700,size=64m tmpfs "$r/tmp"
+        if [ -n "$SANDBOX_SECRET" ]; then
+          install -o 65532 -g 65532 -m 0400 "$SANDBOX_SECRET" "$r/tmp/peer-secret"
+        fi
       fi
-      unset SANDBOX_TMPFS
+      unset SANDBOX_TMPFS SANDBOX_SECRET
       mount -o remount,bind,ro "$r"
       exec setpriv --no-new-privs unshare --root="$r" --wd=/ --setgid=65532 --setuid=65532 -- "$@"
     ' sandbox "$r" "$@"
@@ -314,6 +364,34 @@ kvbm_smoke() {
   grep -q 'disk tier ready' "$log" || { echo "images: the disk tier did not open" >>"$log"; return 1; }
 }
 
+# The block manager from the NIXL image with --peer-fabric nixl: NIXL's C API (found on the
+# image's LD_LIBRARY_PATH), an agent and its UCX backend must load from /opt/nixl with every
+# symbol bound, as 65532 on the read-only root, before the daemon gets ready; then SIGTERM,
+# exit 0.
+nixl_smoke() {
+  local r=$1 log=$2 nats_port metrics_port nats_pid rc=0
+  nats_port=$(free_port)
+  metrics_port=$(free_port)
+  head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/peer-secret"
+  nats-server -a 127.0.0.1 -p "$nats_port" >"$log.nats" 2>&1 &
+  nats_pid=$!
+  if SANDBOX_SECRET="$work/peer-secret" server_start "$r" "$log" \
+    "http://127.0.0.1:$metrics_port/readyz" /usr/local/bin/kvgate-kvbm \
+    --socket /tmp/run/kvbm.sock --host-bytes 16777216 \
+    --nats-url "nats://127.0.0.1:$nats_port" --metrics-bind 127.0.0.1 \
+    --metrics-port "$metrics_port" --namespace images --node check --model check \
+    --peer-listen "127.0.0.1:$(free_port)" --peer-secret-file /tmp/peer-secret \
+    --peer-fabric nixl --nixl-buffers 1; then
+    server_stop "$log" || rc=1
+  else
+    rc=1
+  fi
+  kill "$nats_pid" 2>/dev/null || true
+  wait "$nats_pid" 2>/dev/null || true
+  [ "$rc" -eq 0 ] || return 1
+  grep -q 'pull answers travel through NIXL' "$log" || { echo "images: NIXL did not load" >>"$log"; return 1; }
+}
+
 # The simulator from its image, publishing KV events over ZMQ (libzmq, C++): healthy, a
 # completion answered, then SIGTERM, exit 0.
 sim_smoke() {
@@ -334,14 +412,14 @@ sim_smoke() {
 # Every check of one image; prints what fails and returns non-zero if anything did.
 check_image() {
   local c=$1 name="kvgate-$1" layout="$out/kvgate-$1" bundle="$work/check-$1" cfg fails=0 f
-  local help_out="$work/help-$1.txt"
+  local bin=${binary[$1]} help_out="$work/help-$1.txt"
   fail() { say "$name: FAIL: $*"; fails=$((fails + 1)); }
   umoci unpack --image "$layout:$version" "$bundle" >/dev/null
   local r="$bundle/rootfs"
   unpacked[$c]=$(du -sb --apparent-size "$r" | cut -f1)
   cfg=$(blob "$layout" "$(jq -r .config.digest "$(blob "$layout" "$(manifest_digest "$layout")")")")
   [ "$(jq -r .config.User "$cfg")" = 65532:65532 ] || fail "config User is $(jq -r .config.User "$cfg")"
-  [ "$(jq -c .config.Entrypoint "$cfg")" = "[\"/usr/local/bin/$name\"]" ] ||
+  [ "$(jq -c .config.Entrypoint "$cfg")" = "[\"/usr/local/bin/$bin\"]" ] ||
     fail "config Entrypoint is $(jq -c .config.Entrypoint "$cfg")"
   [ "$(jq -c .config.Cmd "$cfg")" = null ] || fail "config Cmd is $(jq -c .config.Cmd "$cfg")"
   [ "$(jq -r '.config.Labels["org.opencontainers.image.title"]' "$cfg")" = "$name" ] || fail "label title"
@@ -373,7 +451,7 @@ check_image() {
   for f in bin/sh usr/bin/sh bin/bash usr/bin/bash bin/busybox usr/bin/busybox usr/bin/apt usr/bin/dpkg; do
     [ ! -e "$r/$f" ] || fail "/$f is in the image"
   done
-  [ "$(stat -c %a:%u:%g "$r/usr/local/bin/$name")" = 755:0:0 ] || fail "the binary is not 0755 root:root"
+  [ "$(stat -c %a:%u:%g "$r/usr/local/bin/$bin")" = 755:0:0 ] || fail "the binary is not 0755 root:root"
   f=$(grep -c 'BEGIN CERTIFICATE' "$r/etc/ssl/certs/ca-certificates.crt" 2>/dev/null || true)
   [ "${f:-0}" -ge 100 ] || fail "no CA bundle at /etc/ssl/certs/ca-certificates.crt (${f:-0} certificates)"
   grep -qx 'nonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin' "$r/etc/passwd" || fail "no nonroot in /etc/passwd"
@@ -381,14 +459,19 @@ check_image() {
   mapfile -t sandbox_env < <(jq -r '.config.Env[]' "$cfg")
   sandbox_env+=(LD_BIND_NOW=1)
   local rc=0
-  sandbox "$r" "/usr/local/bin/$name" --help >"$help_out" 2>&1 || rc=$?
+  sandbox "$r" "/usr/local/bin/$bin" --help >"$help_out" 2>&1 || rc=$?
   if [ "$rc" -ne 0 ]; then
-    fail "$name --help exited $rc: $(head -c 600 "$help_out")"
-  elif ! grep -q "^Usage: $name " "$help_out"; then
-    fail "$name --help printed no 'Usage: $name' line: $(head -c 600 "$help_out")"
+    fail "$bin --help exited $rc: $(head -c 600 "$help_out")"
+  elif ! grep -q "^Usage: $bin " "$help_out"; then
+    fail "$bin --help printed no 'Usage: $bin' line: $(head -c 600 "$help_out")"
   fi
   case $c in
     kvbm) kvbm_smoke "$r" "$work/smoke-$c.log" || fail "serving from the image: $(tail -n 20 "$work/smoke-$c.log")" ;;
+    kvbm-nixl)
+      kvbm_smoke "$r" "$work/smoke-$c.log" || fail "serving from the image: $(tail -n 20 "$work/smoke-$c.log")"
+      nixl_smoke "$r" "$work/smoke-nixl.log" || fail "NIXL from the image: $(tail -n 20 "$work/smoke-nixl.log")"
+      [ -f "$r/opt/nixl/LICENSES/LICENSE" ] || fail "no NIXL licence in /opt/nixl/LICENSES"
+      ;;
     sim) sim_smoke "$r" "$work/smoke-$c.log" || fail "serving from the image: $(tail -n 20 "$work/smoke-$c.log")" ;;
   esac
   chmod -R u+w "$bundle"

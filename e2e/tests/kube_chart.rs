@@ -211,6 +211,14 @@ fn every_value_set_lints_and_renders_secure_workloads() {
         serde_json::json!([{"port": 9094, "protocol": "TCP"}])
     );
     assert!(!kvbm(&tcp).unwrap().contains("nixl"));
+    // NIXL's libraries come with their own image; over TCP the plain one runs.
+    let image = |r: &Rendered| {
+        r.get("DaemonSet", "kvgate-kvbm").unwrap()["spec"]["template"]["spec"]["containers"][0]
+            ["image"]
+            .clone()
+    };
+    assert_eq!(image(&everything), "ghcr.io/kvgate/kvgate-kvbm-nixl:0.1.0");
+    assert_eq!(image(&tcp), "ghcr.io/kvgate/kvgate-kvbm:0.1.0");
     assert!(kvbm(&defaults).is_none_or(|d| !d.contains("peer")));
     let tls_off = render(&h, "tls-off");
     let args = &tls_off.get("Deployment", "kvgate-epp").unwrap()["spec"]["template"]["spec"]["containers"]
@@ -784,6 +792,11 @@ fn every_flag_a_template_or_manifest_passes_is_accepted_by_its_binary() {
             .filter(|b| b.starts_with("kvgate-"))
         else {
             continue;
+        };
+        // The NIXL image runs the block manager's binary (images/README.md).
+        let binary = match binary {
+            "kvgate-kvbm-nixl" => "kvgate-kvbm",
+            b => b,
         };
         let path = bin_dir().join(binary);
         assert!(path.is_file(), "{} not built", path.display());
