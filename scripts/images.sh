@@ -339,56 +339,48 @@ server_stop() {
   [ "$rc" -eq 0 ] || { echo "images: exit status $rc after SIGTERM" >>"$log"; return 1; }
 }
 
-# The block manager from its image: disk tier and socket on the tmpfs, a remote tier over TLS
-# (the system's CA roots must load before it connects; nothing listens there, so the tier is
-# unreachable, not broken), a real nats-server; ready (NATS connected), then SIGTERM, exit 0.
-kvbm_smoke() {
+# The block manager from an image, as 65532 on the read-only root with a real nats-server:
+# its socket on the tmpfs, the flags given, until ready (NATS connected), then SIGTERM, exit 0.
+kvbm_serve() {
   local r=$1 log=$2 nats_port metrics_port nats_pid rc=0
+  shift 2
   nats_port=$(free_port)
   metrics_port=$(free_port)
   nats-server -a 127.0.0.1 -p "$nats_port" >"$log.nats" 2>&1 &
   nats_pid=$!
   if server_start "$r" "$log" "http://127.0.0.1:$metrics_port/readyz" /usr/local/bin/kvgate-kvbm \
-    --socket /tmp/run/kvbm.sock --disk-dir /tmp/disk --disk-bytes 16777216 \
-    --host-bytes 16777216 --remote-url "rediss://127.0.0.1:$(free_port)" \
+    --socket /tmp/run/kvbm.sock --host-bytes 16777216 \
     --nats-url "nats://127.0.0.1:$nats_port" --metrics-bind 127.0.0.1 \
-    --metrics-port "$metrics_port" --namespace images --node check --model check; then
+    --metrics-port "$metrics_port" --namespace images --node check --model check "$@"; then
     server_stop "$log" || rc=1
   else
     rc=1
   fi
   kill "$nats_pid" 2>/dev/null || true
   wait "$nats_pid" 2>/dev/null || true
-  [ "$rc" -eq 0 ] || return 1
+  return "$rc"
+}
+
+# The block manager's tiers: the disk tier on the tmpfs, a remote tier over TLS (the system's
+# CA roots must load before it connects; nothing listens there, so the tier is unreachable,
+# not broken).
+kvbm_smoke() {
+  local r=$1 log=$2
+  kvbm_serve "$r" "$log" --disk-dir /tmp/disk --disk-bytes 16777216 \
+    --remote-url "rediss://127.0.0.1:$(free_port)" || return 1
   grep -q 'remote store unreachable' "$log" || { echo "images: the remote tier's TLS set-up did not run" >>"$log"; return 1; }
   grep -q 'disk tier ready' "$log" || { echo "images: the disk tier did not open" >>"$log"; return 1; }
 }
 
 # The block manager from the NIXL image with --peer-fabric nixl: NIXL's C API (found on the
 # image's LD_LIBRARY_PATH), an agent and its UCX backend must load from /opt/nixl with every
-# symbol bound, as 65532 on the read-only root, before the daemon gets ready; then SIGTERM,
-# exit 0.
+# symbol bound before the daemon gets ready.
 nixl_smoke() {
-  local r=$1 log=$2 nats_port metrics_port nats_pid rc=0
-  nats_port=$(free_port)
-  metrics_port=$(free_port)
+  local r=$1 log=$2
   head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/peer-secret"
-  nats-server -a 127.0.0.1 -p "$nats_port" >"$log.nats" 2>&1 &
-  nats_pid=$!
-  if SANDBOX_SECRET="$work/peer-secret" server_start "$r" "$log" \
-    "http://127.0.0.1:$metrics_port/readyz" /usr/local/bin/kvgate-kvbm \
-    --socket /tmp/run/kvbm.sock --host-bytes 16777216 \
-    --nats-url "nats://127.0.0.1:$nats_port" --metrics-bind 127.0.0.1 \
-    --metrics-port "$metrics_port" --namespace images --node check --model check \
+  SANDBOX_SECRET="$work/peer-secret" kvbm_serve "$r" "$log" \
     --peer-listen "127.0.0.1:$(free_port)" --peer-secret-file /tmp/peer-secret \
-    --peer-fabric nixl --nixl-buffers 1; then
-    server_stop "$log" || rc=1
-  else
-    rc=1
-  fi
-  kill "$nats_pid" 2>/dev/null || true
-  wait "$nats_pid" 2>/dev/null || true
-  [ "$rc" -eq 0 ] || return 1
+    --peer-fabric nixl --nixl-buffers 1 || return 1
   grep -q 'pull answers travel through NIXL' "$log" || { echo "images: NIXL did not load" >>"$log"; return 1; }
 }
 
