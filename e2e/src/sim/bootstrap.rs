@@ -438,9 +438,10 @@ mod tests {
     #[tokio::test]
     async fn decode_times_out_on_an_unreachable_room() {
         let b = Bootstrap::new(DisaggMode::Decode, Duration::from_millis(50));
-        let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        // Bound but not listening: refused, and the port stays ours while the test runs.
+        let held = tokio::net::TcpSocket::new_v4().unwrap();
+        held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let port = held.local_addr().unwrap().port();
-        drop(held);
         let err = b
             .join(&Seat {
                 host: "127.0.0.1".into(),

@@ -164,10 +164,10 @@ mod tests {
 
     #[test]
     fn closed_ports_are_not_open() {
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
+        // Bound but not listening: refused, and the port stays ours while the test runs.
+        let held = tokio::net::TcpSocket::new_v4().unwrap();
+        held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = held.local_addr().unwrap().port();
         assert!(!tcp_open(port, Duration::from_millis(200)));
         assert!(http_get(port, "/", Duration::from_millis(200)).is_err());
     }

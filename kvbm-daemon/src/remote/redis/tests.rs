@@ -107,11 +107,11 @@ async fn a_silent_server_times_out_and_the_next_command_does_too() {
 
 #[tokio::test]
 async fn nothing_listening_fails_fast_as_transient() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let r = client(port, 8);
+    // Bound but not listening: connections are refused, and no other test can take the port
+    // while it is held (a port freed after binding could be, and was, reused by a parallel test).
+    let held = tokio::net::TcpSocket::new_v4().unwrap();
+    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let r = client(held.local_addr().unwrap().port(), 8);
     let started = std::time::Instant::now();
     let e = r.get(b"k").await.unwrap_err();
     assert!(e.is_transient(), "{e}");
