@@ -37,7 +37,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvgate_kvbm::client::{Client, Onboarded};
-use kvgate_kvbm::disk::{DirectIo, DiskDir, block_file_name};
+use kvgate_kvbm::disk::{DirectIo, DiskDir, block_name};
 use kvgate_kvbm::protocol::Slot;
 use kvgate_kvbm::segment::{self, Segment};
 use kvgate_kvbm::store::Layout;
@@ -275,8 +275,8 @@ async fn round_trip_via(holder: &Daemon, asker: &Daemon, block: u64, blocks: u64
     }
 }
 
-/// The disk module alone, in this process: every block written to its own file, then read
-/// back one at a time, then by 16 threads at once (the daemon's read-ahead). (write GB/s,
+/// The disk module alone, in this process: every block written one at a time (each its own
+/// call, into its own slot), then read back one at a time, then by 16 threads at once. (write GB/s,
 /// read GB/s, parallel read GB/s, O_DIRECT in use).
 fn disk_baseline(dir: &Path, block: u64, blocks: u64) -> (f64, f64, f64, bool) {
     let disk = DiskDir::open(dir, DirectIo::Auto).unwrap();
@@ -284,7 +284,7 @@ fn disk_baseline(dir: &Path, block: u64, blocks: u64) -> (f64, f64, f64, bool) {
     let data: Vec<Vec<u8>> = (0..PER_REQUEST)
         .map(|i| vec![i as u8; block as usize])
         .collect();
-    let name = |i: u64| block_file_name(0xbe4c, kv_events::BlockKey(i));
+    let name = |i: u64| block_name(0xbe4c, kv_events::BlockKey(i));
     let t = Instant::now();
     for (i, d) in (0..n).zip(data.iter().cycle()) {
         disk.write(&name(i), d).unwrap();

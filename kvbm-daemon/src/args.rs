@@ -26,10 +26,10 @@ pub struct Args {
     /// Host-memory tier (G2) capacity in bytes; 0 disables it.
     #[arg(long, default_value_t = 8 << 30)]
     pub host_bytes: u64,
-    /// Directory for the disk tier (G3), one file per block; disabled when absent. It must
-    /// belong to the daemon's user and is made private (0700); the daemon locks it, and
-    /// empties it of block files at start (they are not indexed across runs). Put it on a
-    /// local NVMe file system.
+    /// Directory for the disk tier (G3): one slab file per block size, blocks as slots;
+    /// disabled when absent. It must belong to the daemon's user and is made private (0700);
+    /// the daemon locks it, and removes its slab files at start (blocks are not indexed
+    /// across runs). Put it on a local NVMe file system.
     #[arg(long)]
     pub disk_dir: Option<PathBuf>,
     /// Disk tier capacity in bytes (with `--disk-dir`); its least recently used blocks are

@@ -55,6 +55,8 @@ pub struct Metrics {
     tier_errors: Mutex<BTreeMap<(&'static str, &'static str, &'static str), u64>>,
     /// Whether the disk tier uses `O_DIRECT`.
     pub disk_direct_io: AtomicBool,
+    /// Bytes the disk tier's slab files span (set at each scrape).
+    pub disk_file_bytes: AtomicU64,
     /// Envelopes published.
     pub envelopes_published: AtomicU64,
     /// Envelope publishes that failed.
@@ -86,6 +88,7 @@ impl Default for Metrics {
             remote_writes: WriteCounters::default(),
             tier_errors: Mutex::new(BTreeMap::new()),
             disk_direct_io: AtomicBool::new(false),
+            disk_file_bytes: AtomicU64::new(0),
             envelopes_published: AtomicU64::new(0),
             publish_errors: AtomicU64::new(0),
             snapshot_requests: AtomicU64::new(0),
@@ -387,6 +390,14 @@ impl Metrics {
             "1 when the disk tier reads and writes with O_DIRECT.",
             &[],
             f64::from(u8::from(self.disk_direct_io.load(Ordering::Relaxed))),
+        );
+        e.single(
+            "kvgate_kvbm_disk_file_bytes",
+            Kind::Gauge,
+            "Bytes the disk tier's slab files span (freed slots are reused, not returned to the \
+             file system until the next start).",
+            &[],
+            get(&self.disk_file_bytes),
         );
         e.single(
             "kvgate_kvbm_envelopes_published_total",

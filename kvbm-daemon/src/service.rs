@@ -28,7 +28,9 @@ use kv_events::snapshot::Snapshot;
 use kv_events::{BlockKey, Envelope, Tier};
 use tokio::sync::{Notify, mpsc};
 
-use crate::disk::{DiskDir, DiskError, block_file_name};
+use std::collections::VecDeque;
+
+use crate::disk::{DiskDir, DiskError, block_name};
 use crate::metrics::Metrics;
 use crate::outbox::{Group, Outbox};
 use crate::peers::Peers;
@@ -36,13 +38,23 @@ use crate::pending::Pending;
 use crate::remote::Remote;
 use crate::store::{BlockId, BlockStore, Effect, Found, Layout, LayoutId, Offloaded, StoreError};
 
-/// Disk reads an onboard keeps in flight ahead of the block it is at, at most…
-const READ_AHEAD: usize = 16;
-/// …and at most this many bytes of them (at least one read).
+/// Disk blocks an onboard keeps being read ahead of the block it is at, at most…
+const READ_AHEAD: usize = 64;
+/// …and at most this many bytes of them (at least one block).
 const READ_AHEAD_BYTES: u64 = 64 << 20;
+/// Consecutive disk blocks of a chain read by one task on the blocking pool (one `preadv`
+/// for those that lie together), at most; the read-ahead runs several such tasks at once.
+const READ_GROUP: usize = 16;
+
+/// Puts the disk writer writes together (one `pwritev` per run of free slots), at most…
+const WRITE_BATCH: usize = 64;
+/// …and at most this many bytes of them (at least one put).
+const WRITE_BATCH_BYTES: u64 = 64 << 20;
 
 /// A disk read running on the blocking pool.
 type DiskRead = tokio::task::JoinHandle<Result<Option<Bytes>, DiskError>>;
+/// Disk reads of consecutive blocks of a chain running on the blocking pool.
+type DiskReads = tokio::task::JoinHandle<Vec<Result<Option<Bytes>, DiskError>>>;
 
 /// The largest block the remote tier takes (Redis's default `proto-max-bulk-len`; S3 takes
 /// up to 5 GiB in one `PUT`).
@@ -175,7 +187,7 @@ impl Backends {
     /// A block's name in a lower tier.
     fn name(&self, tier: Tier, fingerprint: u64, key: BlockKey) -> String {
         match (tier, &self.remote) {
-            (Tier::Disk, _) | (_, None) => block_file_name(fingerprint, key),
+            (Tier::Disk, _) | (_, None) => block_name(fingerprint, key),
             (_, Some(remote)) => remote.block_name(fingerprint, key),
         }
     }
@@ -578,12 +590,16 @@ impl Service {
                 Found::Remote => (Tier::Remote, None),
             })
             .collect();
-        // Disk reads run ahead of the chain, up to READ_AHEAD (and READ_AHEAD_BYTES) at once
-        // (an NVMe serves many reads in parallel); results are taken in chain order.
+        // Disk reads run ahead of the chain, up to READ_AHEAD blocks (and READ_AHEAD_BYTES)
+        // at once in groups of READ_GROUP consecutive disk blocks (an NVMe serves many reads
+        // in parallel, and blocks that lie together are read in one call); results are taken
+        // in chain order.
         let window = usize::try_from(READ_AHEAD_BYTES / block_bytes.max(1))
             .unwrap_or(READ_AHEAD)
             .clamp(1, READ_AHEAD);
-        let mut ahead: HashMap<usize, DiskRead> = HashMap::new();
+        let group = READ_GROUP.min(window);
+        let mut groups: VecDeque<(std::ops::Range<usize>, DiskReads)> = VecDeque::new();
+        let mut ready: HashMap<usize, Result<Option<Bytes>, ReadError>> = HashMap::new();
         let mut spawned = 0;
         let mut out = Vec::with_capacity(found.len());
         for (i, ((tier, data), key)) in found.iter().zip(keys).enumerate() {
@@ -592,30 +608,45 @@ impl Service {
                 continue;
             }
             let tier = *tier;
-            // Not past a remote block: a remote timeout there ends the chain.
             while spawned < found.len() && spawned < i + window {
-                if let Some((Tier::Remote, _)) = found.get(spawned) {
-                    break;
-                }
-                if let (Some((Tier::Disk, None)), Some(k)) = (found.get(spawned), keys.get(spawned))
-                {
-                    let name = self.backends.name(Tier::Disk, fingerprint, *k);
-                    if let Some(read) = self.spawn_disk_read(name, block_bytes) {
-                        ahead.insert(spawned, read);
+                match found.get(spawned) {
+                    // Not past a remote block: a remote timeout there ends the chain.
+                    Some((Tier::Remote, _)) => break,
+                    Some((Tier::Disk, None)) => {
+                        let start = spawned;
+                        let mut names = Vec::new();
+                        while spawned < i + window
+                            && names.len() < group
+                            && let (Some((Tier::Disk, None)), Some(k)) =
+                                (found.get(spawned), keys.get(spawned))
+                        {
+                            names.push(self.backends.name(Tier::Disk, fingerprint, *k));
+                            spawned += 1;
+                        }
+                        if names.is_empty() {
+                            break;
+                        }
+                        if let Some(read) = self.spawn_disk_reads(names, block_bytes) {
+                            groups.push_back((start..spawned, read));
+                        }
                     }
+                    _ => spawned += 1,
                 }
-                spawned += 1;
+            }
+            if !ready.contains_key(&i)
+                && groups.front().is_some_and(|(range, _)| range.contains(&i))
+                && let Some((range, read)) = groups.pop_front()
+            {
+                let n = range.len();
+                ready.extend(range.zip(Self::disk_results(read, n).await));
             }
             let name = self.backends.name(tier, fingerprint, *key);
             let id = BlockId { layout, key: *key };
-            let result = match ahead.remove(&i) {
-                // A read started early may have missed a file whose put landed since (and
+            let result = match ready.remove(&i) {
+                // A read started early may have missed a block whose put landed since (and
                 // is no longer queued): a miss is read again, queue first, before it counts.
-                Some(read) => match Self::disk_result(read).await {
-                    Ok(None) => self.read(tier, name.clone(), block_bytes).await,
-                    other => other,
-                },
-                None => self.read(tier, name.clone(), block_bytes).await,
+                Some(Ok(None)) | None => self.read(tier, name.clone(), block_bytes).await,
+                Some(other) => other,
             };
             let read = match result {
                 Ok(data) => data.filter(|d| d.len() as u64 == block_bytes),
@@ -677,6 +708,28 @@ impl Service {
     fn spawn_disk_read(&self, name: String, len: u64) -> Option<DiskRead> {
         let disk = self.backends.disk.clone()?;
         Some(tokio::task::spawn_blocking(move || disk.read(&name, len)))
+    }
+
+    /// Starts reading blocks of a chain on the blocking pool (none without a disk tier).
+    fn spawn_disk_reads(&self, names: Vec<String>, len: u64) -> Option<DiskReads> {
+        let disk = self.backends.disk.clone()?;
+        Some(tokio::task::spawn_blocking(move || {
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            disk.read_many(&names, len)
+        }))
+    }
+
+    /// Started disk reads' outcomes: `n`, in order.
+    async fn disk_results(read: DiskReads, n: usize) -> Vec<Result<Option<Bytes>, ReadError>> {
+        match read.await {
+            Ok(results) => results
+                .into_iter()
+                .map(|r| r.map_err(|e| ReadError::lasting(e.metric_label(), e.to_string())))
+                .collect(),
+            Err(e) => (0..n)
+                .map(|_| Err(ReadError::lasting("io", e.to_string())))
+                .collect(),
+        }
     }
 
     /// A started disk read's outcome.
@@ -923,6 +976,10 @@ impl Service {
                 .fabric_leaked
                 .store(leaked, Ordering::Relaxed);
         }
+        if let Some(disk) = &self.backends.disk {
+            let bytes = disk.file_bytes();
+            self.metrics.disk_file_bytes.store(bytes, Ordering::Relaxed);
+        }
         let queued = self.queued_bytes();
         self.with_store(|store| self.metrics.render(store, queued))
     }
@@ -1045,26 +1102,62 @@ async fn remote_write(service: &Service, remote: &Remote, op: WriteOp) {
 }
 
 /// Drains the disk write queue into the directory for the life of the service (the process:
-/// the service holds the queue's sender). Blocking: run it on a thread of its own.
+/// the service holds the queue's sender). Puts are written in batches of what is queued (at
+/// most `WRITE_BATCH` blocks and `WRITE_BATCH_BYTES`), so blocks demoted together lie
+/// together; deletes only free slots and are applied as they come. A batch never holds two
+/// operations on one name (a put and a later delete of a block stay in order: the batch is
+/// written before the second). Blocking: run it on a thread of its own.
 pub fn disk_writer(service: &Service, disk: &DiskDir, mut rx: mpsc::UnboundedReceiver<WriteOp>) {
-    while let Some(op) = rx.blocking_recv() {
-        if !service.take(Tier::Disk, &op) {
+    let mut carry: Option<WriteOp> = None;
+    loop {
+        let mut next = match carry.take() {
+            Some(op) => Some(op),
+            None => match rx.blocking_recv() {
+                Some(op) => Some(op),
+                None => return,
+            },
+        };
+        let mut puts: Vec<(BlockId, String, Bytes)> = Vec::new();
+        let mut names = std::collections::HashSet::new();
+        let mut bytes = 0u64;
+        while let Some(op) = next.take() {
+            if names.contains(op.name()) {
+                carry = Some(op);
+                break;
+            }
+            if service.take(Tier::Disk, &op) {
+                match op {
+                    WriteOp::Put { id, name, data } => {
+                        bytes += data.len() as u64;
+                        names.insert(name.clone());
+                        puts.push((id, name, data));
+                    }
+                    WriteOp::Delete { name } => {
+                        let error = disk
+                            .delete(&name)
+                            .err()
+                            .map(|e| (e.metric_label(), e.to_string()));
+                        write_finished(service, Tier::Disk, "delete", None, error);
+                    }
+                }
+            }
+            if puts.len() >= WRITE_BATCH || bytes >= WRITE_BATCH_BYTES {
+                break;
+            }
+            next = rx.try_recv().ok();
+        }
+        if puts.is_empty() {
             continue;
         }
-        match op {
-            WriteOp::Put { id, name, data } => {
-                let r = disk.write(&name, &data);
-                service.put_done(Tier::Disk, &name);
-                let error = r.err().map(|e| (e.metric_label(), e.to_string()));
-                write_finished(service, Tier::Disk, "write", Some((id, name)), error);
-            }
-            WriteOp::Delete { name } => {
-                let error = disk
-                    .delete(&name)
-                    .err()
-                    .map(|e| (e.metric_label(), e.to_string()));
-                write_finished(service, Tier::Disk, "delete", None, error);
-            }
+        let batch: Vec<(&str, &[u8])> = puts
+            .iter()
+            .map(|(_, name, data)| (name.as_str(), data.as_ref()))
+            .collect();
+        let results = disk.write_many(&batch);
+        for ((id, name, _), r) in puts.into_iter().zip(results) {
+            service.put_done(Tier::Disk, &name);
+            let error = r.err().map(|e| (e.metric_label(), e.to_string()));
+            write_finished(service, Tier::Disk, "write", Some((id, name)), error);
         }
     }
 }
@@ -1202,7 +1295,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn disk_blocks_are_read_from_the_queue_then_from_their_files() {
+    async fn disk_blocks_are_read_from_the_queue_then_from_the_directory() {
         let dir = TempDir::new("read");
         let (mut parts, l, disk) = disk_service(&dir.0);
         let s = Arc::clone(&parts.service);
@@ -1223,19 +1316,20 @@ mod tests {
             vec![(Bytes::from(vec![2u8; B as usize]), Origin::Disk)]
         );
         assert_eq!(s.with_store(|st| st.counters().disk.onboarded), 2);
-        // Promoting 1 and 2 demoted 3 and 4: every disk block has its file.
+        // Promoting 1 and 2 demoted 3 and 4: every disk block is in the directory.
         drained(&s).await;
         let on_disk = s.with_store(|st| st.resident(l, Tier::Disk));
         assert_eq!(on_disk.len(), 4);
         for key in &on_disk {
-            let name = block_file_name(layout().fingerprint(), *key);
-            assert!(dir.0.join(name).is_file(), "{key:?} has its file");
+            let name = block_name(layout().fingerprint(), *key);
+            assert!(disk.read(&name, B).unwrap().is_some(), "{key:?} is on disk");
         }
-        // A file removed behind the daemon's back: the onboard stops there and the block is
-        // forgotten on disk, with a Removed event.
+        // A block the directory lost behind the store's back: the onboard stops there and
+        // the block is forgotten on disk, with a Removed event.
         let in_host = s.with_store(|st| st.resident(l, Tier::Host));
         let gone = *on_disk.iter().find(|k| !in_host.contains(k)).unwrap();
-        std::fs::remove_file(dir.0.join(block_file_name(layout().fingerprint(), gone))).unwrap();
+        disk.delete(&block_name(layout().fingerprint(), gone))
+            .unwrap();
         let _ = sealed_events(&mut parts);
         assert!(s.onboard(l, &[gone]).await.unwrap().is_empty());
         assert_eq!(s.lookup(l, &[gone], Duration::ZERO).unwrap().any, 0);
@@ -1244,6 +1338,44 @@ mod tests {
             tier: Tier::Disk
         }));
         assert_eq!(s.with_store(|st| st.counters().disk.lost), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_long_chain_comes_back_from_disk_whole_and_in_order() {
+        let dir = TempDir::new("chain");
+        let disk = Arc::new(DiskDir::open(&dir.0, crate::disk::DirectIo::Off).unwrap());
+        let backends = Backends {
+            disk: Some(Arc::clone(&disk)),
+            remote: None,
+        };
+        let (mut parts, l) = start(100, backends, 1 << 20);
+        run_writer(&mut parts, &disk);
+        let s = Arc::clone(&parts.service);
+        // 90 blocks through two host slots, 10 at a time (the queue holds 16 puts): 88
+        // are demoted, in batches the writer puts together.
+        let keys: Vec<u64> = (1..=90).collect();
+        let mut parent = None;
+        for chunk in keys.chunks(10) {
+            s.offload(l, parent, &blocks(chunk)).unwrap();
+            parent = chunk.last().map(|k| BlockKey(*k));
+            drained(&s).await;
+        }
+        assert_eq!(disk.blocks(), 88);
+        // The whole chain, across several read groups and the host blocks at its end.
+        let chain: Vec<BlockKey> = keys.iter().map(|k| BlockKey(*k)).collect();
+        let got = s.onboard(l, &chain).await.unwrap();
+        assert_eq!(got.len(), 90);
+        for (k, (data, origin)) in keys.iter().zip(&got) {
+            assert_eq!(data, &Bytes::from(vec![*k as u8; B as usize]), "block {k}");
+            let expected = if *k <= 88 { Origin::Disk } else { Origin::Host };
+            assert_eq!(*origin, expected, "block {k}");
+        }
+        // A hole in the middle: the chain stops there.
+        drained(&s).await;
+        disk.delete(&block_name(layout().fingerprint(), BlockKey(40)))
+            .unwrap();
+        let again = s.onboard(l, &chain).await.unwrap();
+        assert_eq!(again.len(), 39);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1258,7 +1390,7 @@ mod tests {
             layout: l,
             key: BlockKey(1),
         };
-        let name = block_file_name(layout().fingerprint(), BlockKey(1));
+        let name = block_name(layout().fingerprint(), BlockKey(1));
         let got = s.missed(Tier::Disk, id, &name, B).unwrap();
         assert_eq!(got, Some(Bytes::from(vec![1u8; B as usize])));
         assert_eq!(s.lookup(l, &[BlockKey(1)], Duration::ZERO).unwrap().any, 1);
@@ -1337,7 +1469,7 @@ mod tests {
         }
         let names = |keys: &[u64]| -> Vec<String> {
             keys.iter()
-                .map(|k| block_file_name(layout().fingerprint(), BlockKey(*k)))
+                .map(|k| block_name(layout().fingerprint(), BlockKey(*k)))
                 .collect()
         };
         assert_eq!(written, names(&[3, 4]), "only the blocks the disk holds");

@@ -582,7 +582,7 @@ async fn the_disk_tier_keeps_demoted_blocks_and_serves_them_first() {
     let dir = test_dir();
     let disk = dir.join("disk");
     std::fs::create_dir_all(&disk).unwrap();
-    // A block file a previous run left: unindexed, so removed at start.
+    // A block file an earlier version left: unindexed, so removed at start.
     let stale = disk.join("00000000000000ab-0000000000000001.blk");
     std::fs::write(&stale, b"old").unwrap();
     let disk_args: Vec<String> = vec![
@@ -616,20 +616,13 @@ async fn the_disk_tier_keeps_demoted_blocks_and_serves_them_first() {
         let e = next_envelope(&mut events, deadline, "the disk tier's envelopes").await;
         apply(&mut resident, &mut seq, &e);
     }
-    // The files land (the write queue drains in the background).
-    let files = || {
-        std::fs::read_dir(&disk)
-            .unwrap()
-            .filter(|e| {
-                e.as_ref()
-                    .unwrap()
-                    .file_name()
-                    .to_string_lossy()
-                    .ends_with(".blk")
-            })
-            .count()
-    };
-    support::wait_for("four block files", || files() == 4);
+    // The blocks land in one slab file (the write queue drains in the background).
+    let slab = disk.join(format!("slab-{BLOCK}.dat"));
+    support::wait_for("four blocks in the slab file", || {
+        std::fs::metadata(&slab).is_ok_and(|m| m.len() == 4 * BLOCK)
+    });
+    let entries = std::fs::read_dir(&disk).unwrap().count();
+    assert_eq!(entries, 2, "the lock and the slab file");
 
     // Onboard 11 and 12 into zeroed slots: the disk serves them, not Redis.
     for i in 0..8 {
@@ -667,6 +660,10 @@ async fn the_disk_tier_keeps_demoted_blocks_and_serves_them_first() {
         (4 * BLOCK) as f64
     );
     assert_eq!(metric(&text, "kvgate_kvbm_tier_blocks{tier=\"disk\"}"), 4.0);
+    assert_eq!(
+        metric(&text, "kvgate_kvbm_disk_file_bytes"),
+        (4 * BLOCK) as f64
+    );
     // 4 KiB blocks: direct I/O wherever the file system takes it (either value is fine, but
     // the gauge is there).
     let direct = metric(&text, "kvgate_kvbm_disk_direct_io");
