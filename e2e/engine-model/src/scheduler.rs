@@ -359,23 +359,25 @@ impl Engine {
         }
         req.blocks.extend(new);
         req.num_computed = computed;
+        // A load in the step starts before the step's blocks are cached (and offloaded): the
+        // tier serves the blocks from where they are, then the engine saves what it computed.
+        if let Some((first_block, sources)) = in_step {
+            load_started(
+                &mut self.pool,
+                &mut self.counters,
+                req,
+                block_size,
+                first_block,
+                sources,
+            );
+        }
         cache_up_to(&mut self.pool, req, block_size, upto);
         if req.num_cached_tokens.is_none() {
             req.num_cached_tokens = Some(u32::try_from(computed).unwrap_or(u32::MAX));
         }
         req.phase = Phase::Running;
-        let Some((first_block, sources)) = in_step else {
-            return Admission::Scheduled(num_new, 0);
-        };
-        load_started(
-            &mut self.pool,
-            &mut self.counters,
-            req,
-            block_size,
-            first_block,
-            sources,
-        );
-        Admission::Scheduled(num_new, offload_wait(&sources, &self.config))
+        let wait = in_step.map_or(0, |(_, sources)| offload_wait(&sources, &self.config));
+        Admission::Scheduled(num_new, wait)
     }
 }
 
