@@ -21,8 +21,9 @@
 # Environment: CARGO_TARGET_DIR; TIME_SCALE (1: real time; 2 halves the wall time, but the
 # gateway's wall-time delays then count double in model time, which changes the order in which
 # a burst's requests reach the engines: docs/benchmarks.md); GPU_BLOCKS (8300); PAYLOAD (16384);
-# HOST_GIBS ("256 1024": the host-only runs); SMALL_HOST_GIB (128) and DISK_GIB (2048) (host +
-# disk; DISK_GIB=0 skips it); OUT (a temp directory: records and logs).
+# HOST_GIBS ("256 1024": the host-only runs; set but empty skips them); SMALL_HOST_GIB (128)
+# and DISK_GIB (2048) (host + disk; DISK_GIB=0 skips it); OUT (a temp directory: records and
+# logs).
 #
 # Each live row also gives the engines' own TTFT p50 ("engine p50": model time from a request's
 # arrival at its engine to its first token, from the simulators' per-request debug lines), so
@@ -37,7 +38,7 @@ speedup=${3:-1}
 scale=${TIME_SCALE:-1}
 gpu_blocks=${GPU_BLOCKS:-8300}
 payload=${PAYLOAD:-16384}
-host_gibs=${HOST_GIBS:-256 1024}
+host_gibs=${HOST_GIBS-256 1024}
 small_host_gib=${SMALL_HOST_GIB:-128}
 disk_gib=${DISK_GIB:-2048}
 target=${CARGO_TARGET_DIR:-$root/target}
