@@ -21,7 +21,8 @@
 //!   `libnixl_capi.so`; skipped, and said so, without it).
 //!
 //! `cargo bench -p kvgate-kvbm --bench connector`; `KVGATE_BENCH_BLOCKS` (default 256) blocks of
-//! `KVGATE_BENCH_BLOCK_MIB` (default 2: Llama-3.1-8B BF16, 16 tokens) in requests of 16;
+//! `KVGATE_BENCH_BLOCK_MIB` (default 2: Llama-3.1-8B BF16, 16 tokens; or `KVGATE_BENCH_BLOCK_KIB`
+//! for smaller ones) in requests of 16;
 //! `KVGATE_BENCH_ONLY` (`host`, `remote`, `disk` or `peer`) runs one part (and the baseline).
 #![allow(
     clippy::unwrap_used,
@@ -378,7 +379,10 @@ fn main() {
         println!("connector: skipped outside `cargo bench`");
         return;
     }
-    let block = env_u64("KVGATE_BENCH_BLOCK_MIB", 2) << 20;
+    let block = match env_u64("KVGATE_BENCH_BLOCK_KIB", 0) {
+        0 => env_u64("KVGATE_BENCH_BLOCK_MIB", 2) << 20,
+        kib => kib << 10,
+    };
     let blocks = env_u64("KVGATE_BENCH_BLOCKS", 256).max(PER_REQUEST);
     let dir = std::env::temp_dir().join(format!("kvgate-kvbm-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -387,8 +391,8 @@ fn main() {
         .build()
         .unwrap();
     println!(
-        "{blocks} blocks of {} MiB, {PER_REQUEST} per request",
-        block >> 20
+        "{blocks} blocks of {} KiB, {PER_REQUEST} per request",
+        block >> 10
     );
     let (read, write) = baseline(block, blocks);
     println!(
