@@ -239,6 +239,10 @@ fn read_full(file: &File, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(done)
 }
 
+/// How [`DiskDir::write_size`] writes a run of blocks into consecutive slots of a slab
+/// (`Slab::write_run`; tests inject failures).
+type WriteRun<'a> = dyn Fn(&Slab, u64, &[&[u8]]) -> std::io::Result<()> + 'a;
+
 /// One block size's file.
 #[derive(Debug)]
 struct Slab {
@@ -470,55 +474,63 @@ impl DiskDir {
             }
         }
         for (len, group) in sizes {
-            if let Err(e) = self.write_size(len, &group, blocks) {
-                for (i, _) in &group {
-                    if let Some(slot) = out.get_mut(*i) {
-                        *slot = Err(e.clone());
-                    }
+            let results = self.write_size(len, &group, blocks, &|slab, slot, data| {
+                slab.write_run(slot, data)
+            });
+            for ((i, _), r) in group.iter().zip(results) {
+                if let Some(slot) = out.get_mut(*i) {
+                    *slot = r;
                 }
             }
         }
         out
     }
 
-    /// Writes `group` (indices into `blocks`, all `len` bytes, distinct names); the first
-    /// error fails the blocks of the runs not written yet and of the failed one.
+    /// Writes `group` (indices into `blocks`, all `len` bytes, distinct names) with `write`
+    /// (one call per run of slots, at most `MAX_IO_BYTES`), and returns each member's outcome:
+    /// the blocks of runs written are indexed; the first error fails its run and the runs
+    /// after it (not tried: a full or failing disk rarely recovers within a batch), whose
+    /// slots are freed again.
     fn write_size(
         &self,
         len: u64,
         group: &[(usize, Name)],
         blocks: &[(&str, &[u8])],
-    ) -> Result<(), DiskError> {
+        write: &WriteRun<'_>,
+    ) -> Vec<Result<(), DiskError>> {
         let (class, slab, runs) = {
             let mut state = self.lock_state();
-            let class = self.class(&mut state, len)?;
-            let runs = state.index.reserve(class.0, group.len() as u64);
-            (class.0, class.1, runs)
+            match self.class(&mut state, len) {
+                Ok((class, slab)) => {
+                    let runs = state.index.reserve(class, group.len() as u64);
+                    (class, slab, runs)
+                }
+                Err(e) => return group.iter().map(|_| Err(e.clone())).collect(),
+            }
         };
         let per_io = (MAX_IO_BYTES / len.max(1)).max(1);
-        let mut next = 0usize;
+        let mut out: Vec<Result<(), DiskError>> = Vec::with_capacity(group.len());
         let mut failed: Option<DiskError> = None;
         for run in runs {
             let mut start = run.start;
             while start < run.end() {
                 let n = per_io.min(run.end() - start);
                 let part = Run { start, len: n };
-                let members = group.get(next..next + n as usize).unwrap_or_default();
-                next += n as usize;
+                let members = group
+                    .get(out.len()..out.len() + n as usize)
+                    .unwrap_or_default();
                 start += n;
-                if failed.is_some() {
-                    self.lock_state().index.unreserve(class, part);
-                    continue;
-                }
-                let data: Vec<&[u8]> = members
-                    .iter()
-                    .filter_map(|(i, _)| blocks.get(*i).map(|b| b.1))
-                    .collect();
-                let written = match &slab {
-                    Some(slab) => slab
-                        .write_run(part.start, &data)
-                        .map_err(|e| DiskError::io("writing blocks to", &slab.path, e)),
-                    None => Ok(()),
+                let written = match (&failed, &slab) {
+                    (Some(e), _) => Err(e.clone()),
+                    (None, Some(slab)) => {
+                        let data: Vec<&[u8]> = members
+                            .iter()
+                            .filter_map(|(i, _)| blocks.get(*i).map(|b| b.1))
+                            .collect();
+                        write(slab, part.start, &data)
+                            .map_err(|e| DiskError::io("writing blocks to", &slab.path, e))
+                    }
+                    (None, None) => Ok(()),
                 };
                 let mut state = self.lock_state();
                 match written {
@@ -526,15 +538,17 @@ impl DiskDir {
                         for (k, (_, name)) in members.iter().enumerate() {
                             state.index.publish(*name, class, part.start + k as u64);
                         }
+                        out.extend(members.iter().map(|_| Ok(())));
                     }
                     Err(e) => {
                         state.index.unreserve(class, part);
+                        out.extend(members.iter().map(|_| Err(e.clone())));
                         failed = Some(e);
                     }
                 }
             }
         }
-        failed.map_or(Ok(()), Err)
+        out
     }
 
     /// The class of blocks of `len` and its slab file (none for empty blocks), created on

@@ -165,6 +165,54 @@ fn a_name_twice_in_a_batch_keeps_its_last_bytes() {
 }
 
 #[test]
+fn a_failed_run_fails_its_blocks_and_those_after_it_only() {
+    let tmp = TempDir::new();
+    let disk = DiskDir::open(&tmp.0, DirectIo::Off).unwrap();
+    // Blocks of 8 MiB: two per call (MAX_IO_BYTES); the second call fails.
+    let len = 8usize << 20;
+    let names: Vec<String> = (0..6).map(name).collect();
+    let bytes: Vec<Vec<u8>> = (0..6).map(|i| data(len, i as u8)).collect();
+    let blocks: Vec<(&str, &[u8])> = names
+        .iter()
+        .zip(&bytes)
+        .map(|(n, b)| (n.as_str(), b.as_slice()))
+        .collect();
+    let group: Vec<(usize, Name)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (i, parse_name(n).unwrap()))
+        .collect();
+    let calls = AtomicU64::new(0);
+    let results = disk.write_size(len as u64, &group, &blocks, &|slab, slot, data| {
+        if calls.fetch_add(1, Ordering::Relaxed) == 1 {
+            return Err(ErrorKind::StorageFull.into());
+        }
+        slab.write_run(slot, data)
+    });
+    assert_eq!(
+        calls.load(Ordering::Relaxed),
+        2,
+        "nothing tried after the failure"
+    );
+    let ok: Vec<bool> = results.iter().map(Result::is_ok).collect();
+    assert_eq!(ok, [true, true, false, false, false, false]);
+    assert_eq!(results[2].as_ref().unwrap_err().metric_label(), "no_space");
+    // The written blocks are readable; the others are not there, and their slots are free.
+    for (i, n) in names.iter().enumerate() {
+        let got = disk.read(n, len as u64).unwrap();
+        assert_eq!(got.as_deref(), (i < 2).then(|| bytes[i].as_slice()), "{n}");
+    }
+    assert_eq!(disk.blocks(), 2);
+    let again: Vec<(&str, &[u8])> = blocks[2..4].to_vec();
+    assert!(disk.write_many(&again).iter().all(Result::is_ok));
+    assert_eq!(
+        disk.file_bytes(),
+        6 * len as u64,
+        "the freed slots were reused"
+    );
+}
+
+#[test]
 fn missing_or_wrong_size_reads_are_none() {
     let tmp = TempDir::new();
     let disk = DiskDir::open(&tmp.0, DirectIo::Auto).unwrap();
