@@ -55,6 +55,12 @@ pub struct ReplayArgs {
     /// from it run at the engine's `disk_load_bandwidth`).
     #[arg(long, default_value_t = 0.0)]
     pub kvbm_disk_gib: f64,
+    /// A what-if for the engines' connector to the block manager: hits with disk blocks load
+    /// while the request waits and other steps run (as vLLM's `OffloadingConnector` loads),
+    /// host-memory hits in the step. Without it, every hit loads in the step that schedules
+    /// the request, as kvgate's vLLM connector does.
+    #[arg(long)]
+    pub kvbm_async_disk_loads: bool,
     /// GPU KV cache per engine, in blocks (default: the preset's).
     #[arg(long)]
     pub num_gpu_blocks: Option<u32>,
@@ -332,6 +338,11 @@ fn node_tier(
     };
     let host_blocks = blocks("--kvbm-host-gib", args.kvbm_host_gib)?;
     let disk_blocks = blocks("--kvbm-disk-gib", args.kvbm_disk_gib)?;
+    if args.kvbm_async_disk_loads && disk_blocks == 0 {
+        return Err(ReplayCmdError::Options(
+            "--kvbm-async-disk-loads needs the block manager's disk tier (--kvbm-disk-gib)".into(),
+        ));
+    }
     if host_blocks + disk_blocks == 0 {
         return Ok(None);
     }
@@ -343,6 +354,7 @@ fn node_tier(
     Ok(Some(replay::NodeTierConfig {
         host_blocks,
         disk_blocks,
+        async_disk_loads: args.kvbm_async_disk_loads,
     }))
 }
 
@@ -517,6 +529,15 @@ mod tests {
         // The small preset's blocks are 2 MiB.
         let node = node_tier(&a, &engine).unwrap().unwrap();
         assert_eq!((node.host_blocks, node.disk_blocks), (512, 1024));
+        assert!(!node.async_disk_loads);
+        let mut what_if = a.clone();
+        what_if.kvbm_async_disk_loads = true;
+        assert!(
+            node_tier(&what_if, &engine)
+                .unwrap()
+                .unwrap()
+                .async_disk_loads
+        );
         let none = args(&["--workload", "mooncake"]);
         assert_eq!(
             node_tier(&none, &engine_config(&none).unwrap()).unwrap(),
@@ -526,6 +547,7 @@ mod tests {
             vec!["--kvbm-host-gib=-1"],
             vec!["--kvbm-disk-gib=NaN"],
             vec!["--kvbm-host-gib=1", "--kv-offloading-gib=1"],
+            vec!["--kvbm-host-gib=1", "--kvbm-async-disk-loads"],
         ] {
             let mut v = vec!["--workload", "mooncake"];
             v.extend(bad.iter().copied());

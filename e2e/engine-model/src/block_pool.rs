@@ -76,8 +76,10 @@ impl BlockPool {
     }
 
     /// Whether the offloading tier loads a hit's blocks in the step that schedules the request.
-    pub(crate) fn offload_loads_in_step(&self) -> bool {
-        self.offload.as_ref().is_some_and(|t| t.loads_in_step())
+    pub(crate) fn offload_loads_in_step(&self, sources: &Sources) -> bool {
+        self.offload
+            .as_ref()
+            .is_some_and(|t| t.loads_in_step(sources))
     }
 
     /// Asks the offloading tier which leading blocks of `request.hashes` it loads (none

@@ -127,12 +127,14 @@ pub trait OffloadTier: Send + std::fmt::Debug {
     /// happens, and counts as a use of those blocks.
     fn load_started(&mut self, _request: LookupRequest<'_>, _sources: Sources) {}
 
-    /// Whether a hit's blocks load in the step that schedules the request (vLLM
-    /// `load_kv_async = False`, as kvgate's vLLM connector does: the worker copies them in
-    /// `start_load_kv` before the forward pass, so the step takes the load's time and the
-    /// request computes its other tokens in the same step) rather than while the request waits
-    /// and other steps run (`false`, the default: vLLM's `OffloadingConnector`).
-    fn loads_in_step(&self) -> bool {
+    /// Whether a hit's blocks, found at `sources`' levels, load in the step that schedules
+    /// the request (vLLM `load_kv_async = False`, as kvgate's vLLM connector does: the worker
+    /// copies them in `start_load_kv` before the forward pass, so the step takes the load's
+    /// time and the request computes its other tokens in the same step) rather than while
+    /// the request waits and other steps run (`false`, the default: vLLM's
+    /// `OffloadingConnector`). Asked per hit, so a connector may load fast levels in the
+    /// step and wait for slow ones.
+    fn loads_in_step(&self, _sources: &Sources) -> bool {
         false
     }
 

@@ -303,7 +303,7 @@ impl Engine {
                 };
                 let sources = sources.take(after.len());
                 let first_block = hits.len();
-                if sources.blocks() > 0 && self.pool.offload_loads_in_step() {
+                if sources.blocks() > 0 && self.pool.offload_loads_in_step(&sources) {
                     // The connector loads them in the step that schedules the request (vLLM
                     // `load_kv_async = False`): they count as computed now, their GPU blocks
                     // are allocated with the step's, and the step takes the load's time.

@@ -74,7 +74,7 @@ impl OffloadTier for Scripted {
         self.seen.lock().unwrap().finished.push(request);
     }
 
-    fn loads_in_step(&self) -> bool {
+    fn loads_in_step(&self, _sources: &Sources) -> bool {
         self.in_step
     }
 

@@ -93,7 +93,7 @@ impl OffloadTier for InStepTier {
         })
     }
 
-    fn loads_in_step(&self) -> bool {
+    fn loads_in_step(&self, _sources: &Sources) -> bool {
         true
     }
 

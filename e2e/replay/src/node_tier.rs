@@ -37,6 +37,10 @@ pub struct NodeTierConfig {
     pub host_blocks: usize,
     /// Disk blocks (0: no disk level).
     pub disk_blocks: usize,
+    /// A what-if for the connector: hits with disk blocks load while the request waits and
+    /// other steps run, host-memory hits in the step. kvgate's vLLM connector (false) loads
+    /// every hit in the step.
+    pub async_disk_loads: bool,
 }
 
 /// A least-recently-used set of keys.
@@ -175,6 +179,7 @@ impl Inner {
 #[derive(Debug, Clone)]
 pub struct NodeStore {
     inner: Arc<Mutex<Inner>>,
+    async_disk_loads: bool,
 }
 
 impl NodeStore {
@@ -187,6 +192,7 @@ impl NodeStore {
                 outbox: Vec::new(),
                 stats: NodeStats::default(),
             })),
+            async_disk_loads: config.async_disk_loads,
         }
     }
 
@@ -218,6 +224,7 @@ impl NodeStore {
             model: model.to_owned(),
             block_size: block_size as usize,
             chains: HashMap::new(),
+            async_disk_loads: self.async_disk_loads,
         }
     }
 }
@@ -229,6 +236,7 @@ pub struct NodeTier {
     model: String,
     block_size: usize,
     chains: HashMap<RequestId, KeyChain>,
+    async_disk_loads: bool,
 }
 
 /// Request `id`'s kvgate keys for every full block of `tokens` (its chain kept in `chains`).
@@ -266,9 +274,10 @@ impl OffloadTier for NodeTier {
         }
     }
 
-    /// kvgate's vLLM connector loads in the step that schedules the request.
-    fn loads_in_step(&self) -> bool {
-        true
+    /// kvgate's vLLM connector loads in the step that schedules the request; with
+    /// [`NodeTierConfig::async_disk_loads`], only hits served from host memory alone.
+    fn loads_in_step(&self, sources: &Sources) -> bool {
+        !self.async_disk_loads || (sources.disk == 0 && sources.remote == 0)
     }
 
     /// The leading blocks the node holds, by level (a question: nothing moves).
@@ -361,10 +370,31 @@ mod tests {
     }
 
     #[test]
+    fn hits_load_in_the_step_unless_disk_loads_wait() {
+        let hit = |host, disk| Sources {
+            host,
+            disk,
+            remote: 0,
+        };
+        for async_disk_loads in [false, true] {
+            let store = NodeStore::new(NodeTierConfig {
+                host_blocks: 2,
+                disk_blocks: 2,
+                async_disk_loads,
+            });
+            let tier = store.connector("m", 16);
+            assert!(tier.loads_in_step(&hit(3, 0)));
+            assert_eq!(tier.loads_in_step(&hit(3, 1)), !async_disk_loads);
+            assert_eq!(tier.loads_in_step(&hit(0, 2)), !async_disk_loads);
+        }
+    }
+
+    #[test]
     fn host_evictions_are_demoted_to_disk_and_disk_hits_promoted_back() {
         let store = NodeStore::new(NodeTierConfig {
             host_blocks: 2,
             disk_blocks: 3,
+            async_disk_loads: false,
         });
         let mut g = store.lock();
         for k in [1, 2, 3, 4] {
@@ -396,6 +426,7 @@ mod tests {
         let store = NodeStore::new(NodeTierConfig {
             host_blocks: 0,
             disk_blocks: 4,
+            async_disk_loads: false,
         });
         store.lock().store(7, None);
         let ev = store.take_events();
@@ -408,6 +439,7 @@ mod tests {
         let store = NodeStore::new(NodeTierConfig {
             host_blocks: 2,
             disk_blocks: 8,
+            async_disk_loads: false,
         });
         let mut a = store.connector("m", 2);
         let mut b = store.connector("m", 2);

@@ -421,6 +421,7 @@ fn the_nodes_block_manager_serves_a_prefix_evicted_from_every_gpu() {
     let with = run(Some(replay::NodeTierConfig {
         host_blocks: 1024,
         disk_blocks: 0,
+        async_disk_loads: false,
     }));
     let again = last(&with);
     assert!(again.cached_tokens.unwrap() >= 37 * 16, "{again:?}");
@@ -442,6 +443,7 @@ fn the_nodes_block_manager_serves_a_prefix_evicted_from_every_gpu() {
     let disk = run(Some(replay::NodeTierConfig {
         host_blocks: 8,
         disk_blocks: 1024,
+        async_disk_loads: false,
     }));
     let node = disk.node.unwrap();
     assert!(node.onboarded_disk >= 30, "{node:?}");

@@ -279,7 +279,7 @@ impl OffloadTier for KvbmTier {
     }
 
     /// kvgate's vLLM connector loads in the step that schedules the request.
-    fn loads_in_step(&self) -> bool {
+    fn loads_in_step(&self, _sources: &Sources) -> bool {
         true
     }
 
