@@ -270,13 +270,17 @@ pub fn run(args: &ReplayArgs) -> Result<(), ReplayCmdError> {
         None => SchedulerConfig::default(),
     };
     let plans = plans(args)?;
+    // Every option is checked before the records file is created (or truncated): a bad
+    // flag must not cost the records of an earlier run.
+    let engine = engine_config(args)?;
+    let node = node_tier(args, &engine)?;
     let out_file = File::create(&args.out).map_err(io(&args.out))?;
     let mut out = BufWriter::new(out_file);
     let mut summaries = Vec::new();
     let mut notes = Vec::new();
     for plan in &plans {
         for &policy in &args.policy {
-            let mut config = ReplayConfig::new(args.engines, engine_config(args)?);
+            let mut config = ReplayConfig::new(args.engines, engine.clone());
             config.run = policy.to_string();
             config.load = Some(plan.load);
             match policy {
@@ -293,7 +297,7 @@ pub fn run(args: &ReplayArgs) -> Result<(), ReplayCmdError> {
             config.event_delay = args.event_delay_ms * MS;
             config.load_interval = args.load_interval_ms * MS;
             config.stop_at = plan.stop_at;
-            config.node_tier = node_tier(args, &config.engine)?;
+            config.node_tier = node;
             let started = Instant::now();
             let result = replay(&plan.workload, config)?;
             let wall = started.elapsed();
@@ -599,6 +603,12 @@ mod tests {
             per_run as usize
         );
         assert!(records.iter().all(|r| r.load == Some(50.0)));
+        // A bad flag is refused before the records file is touched.
+        let mut bad = a.clone();
+        bad.kvbm_host_gib = 1.0;
+        bad.kvbm_async_disk_loads = true;
+        assert!(matches!(run(&bad), Err(ReplayCmdError::Options(_))));
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), text);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
