@@ -51,8 +51,6 @@ const WRITE_BATCH: usize = 64;
 /// …and at most this many bytes of them (at least one put).
 const WRITE_BATCH_BYTES: u64 = 64 << 20;
 
-/// A disk read running on the blocking pool.
-type DiskRead = tokio::task::JoinHandle<Result<Option<Bytes>, DiskError>>;
 /// Disk reads of consecutive blocks of a chain running on the blocking pool.
 type DiskReads = tokio::task::JoinHandle<Vec<Result<Option<Bytes>, DiskError>>>;
 
@@ -704,12 +702,6 @@ impl Service {
         Ok(None)
     }
 
-    /// Starts reading a block's file on the blocking pool (none without a disk tier).
-    fn spawn_disk_read(&self, name: String, len: u64) -> Option<DiskRead> {
-        let disk = self.backends.disk.clone()?;
-        Some(tokio::task::spawn_blocking(move || disk.read(&name, len)))
-    }
-
     /// Starts reading blocks of a chain on the blocking pool (none without a disk tier).
     fn spawn_disk_reads(&self, names: Vec<String>, len: u64) -> Option<DiskReads> {
         let disk = self.backends.disk.clone()?;
@@ -732,13 +724,6 @@ impl Service {
         }
     }
 
-    /// A started disk read's outcome.
-    async fn disk_result(read: DiskRead) -> Result<Option<Bytes>, ReadError> {
-        read.await
-            .map_err(|e| ReadError::lasting("io", e.to_string()))?
-            .map_err(|e: DiskError| ReadError::lasting(e.metric_label(), e.to_string()))
-    }
-
     /// A block's bytes from a lower tier: its write queue first, then the back end.
     async fn read(&self, tier: Tier, name: String, len: u64) -> Result<Option<Bytes>, ReadError> {
         let queued = self.queue(tier).and_then(|q| q.queued(&name));
@@ -746,8 +731,8 @@ impl Service {
             return Ok(queued);
         }
         match tier {
-            Tier::Disk => match self.spawn_disk_read(name, len) {
-                Some(read) => Self::disk_result(read).await,
+            Tier::Disk => match self.spawn_disk_reads(vec![name], len) {
+                Some(read) => Self::disk_results(read, 1).await.pop().unwrap_or(Ok(None)),
                 None => Ok(None),
             },
             _ => match &self.backends.remote {

@@ -774,10 +774,7 @@ impl DiskDir {
 }
 
 /// Splits `found` (in the caller's order) into runs of consecutive slots, at most `max` each.
-fn consecutive<T: Copy>(
-    found: &[(usize, Name, u64, T)],
-    max: usize,
-) -> Vec<&[(usize, Name, u64, T)]> {
+fn consecutive(found: &[(usize, Name, u64, u64)], max: usize) -> Vec<&[(usize, Name, u64, u64)]> {
     let mut runs = Vec::new();
     let mut start = 0usize;
     for i in 1..=found.len() {
